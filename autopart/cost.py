@@ -1,0 +1,173 @@
+"""Pure cost functions: block costs + training setup -> stage times, memory and comm.
+
+Nothing here knows about schedules or solvers. The simulator turns StageCosts into
+a step time; the solvers evaluate candidate stages through ``BlockArrays`` (prefix
+sums, O(1) per stage).
+
+Memory model (DESIGN.md): per rank,
+    static      = params + grads + optimizer state (+ fp32 master weights)
+    activations = in_flight(stage) * activation_bytes(stage), summed over its stages
+    plus boundary send/recv buffers and the largest transient workspace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopart.schema import DTYPE_BYTES, Profile, TrainingSetup
+
+__all__ = [
+    "StageCost",
+    "BlockArrays",
+    "block_arrays",
+    "static_bytes_per_param",
+    "stage_cost",
+    "comm_ms",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Times and memory of one stage for one microbatch."""
+
+    fwd_ms: float
+    bwd_input_ms: float
+    """B; includes the recomputed forward when ``recompute`` is set."""
+    bwd_weight_ms: float
+    """W."""
+    static_bytes: int
+    activation_bytes: int
+    """Held from this stage's F of a microbatch until its backward of that microbatch."""
+    input_bytes: int
+    """Received from the previous stage per microbatch (0 for the first stage)."""
+    output_bytes: int
+    """Sent to the next stage per microbatch (0 for the last stage)."""
+    transient_bytes: int
+    param_count: int
+    recompute: bool = False
+
+    @property
+    def bwd_ms(self) -> float:
+        """Full backward B + W."""
+        return self.bwd_input_ms + self.bwd_weight_ms
+
+
+def static_bytes_per_param(setup: TrainingSetup) -> int:
+    """Bytes of parameters + gradients + optimizer state (+ master copy) per parameter."""
+    per_param = DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype]
+    num_states = {"adam": 2, "sgd": 1, "none": 0}[setup.optimizer]
+    per_param += num_states * DTYPE_BYTES[setup.optimizer_dtype]
+    if setup.master_weights and setup.param_dtype != "float32":
+        per_param += 4
+    return per_param
+
+
+def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:
+    """Time to send ``num_bytes`` point to point over the pipeline link."""
+    if num_bytes <= 0:
+        return 0.0
+    return setup.link_latency_ms + 1e3 * num_bytes / setup.link_bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class BlockArrays:
+    """Per-block figures as numpy arrays plus prefix sums, for O(1) stage costs.
+
+    Prefix arrays have length ``num_blocks + 1``; the blocks ``i .. j`` (inclusive)
+    sum to ``prefix[j + 1] - prefix[i]``.
+    """
+
+    fwd_ms: np.ndarray
+    bwd_input_ms: np.ndarray
+    bwd_weight_ms: np.ndarray
+    static_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    output_bytes: np.ndarray
+    transient_bytes: np.ndarray
+    num_params: np.ndarray
+    prefix_fwd: np.ndarray
+    prefix_bwd_input: np.ndarray
+    prefix_bwd_weight: np.ndarray
+    prefix_static: np.ndarray
+    prefix_activation: np.ndarray
+    prefix_input_of_block: np.ndarray
+    """Prefix of the bytes each block receives (the previous block's output): the
+    activations a stage keeps under per-block recomputation."""
+    prefix_num_params: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks in the chain."""
+        return len(self.fwd_ms)
+
+    def stage_time_ms(self, first: int, last: int, recompute: bool = False) -> float:
+        """F + B + W of blocks ``first .. last`` for one microbatch."""
+        total = (self.prefix_fwd[last + 1] - self.prefix_fwd[first]
+                 + self.prefix_bwd_input[last + 1] - self.prefix_bwd_input[first]
+                 + self.prefix_bwd_weight[last + 1] - self.prefix_bwd_weight[first])
+        if recompute:
+            total += self.prefix_fwd[last + 1] - self.prefix_fwd[first]
+        return float(total)
+
+
+def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
+    """Build the per-block arrays of ``profile`` under ``setup``."""
+    blocks = profile.blocks
+    per_param = static_bytes_per_param(setup)
+    fwd = np.array([b.fwd_ms for b in blocks], dtype=np.float64)
+    bwd_in = np.array([b.bwd_input_ms for b in blocks], dtype=np.float64)
+    bwd_w = np.array([b.bwd_weight_ms for b in blocks], dtype=np.float64)
+    num_params = np.array([b.num_params for b in blocks], dtype=np.int64)
+    static = num_params * per_param
+    act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
+    out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
+    transient = np.array([b.transient_bytes for b in blocks], dtype=np.int64)
+    input_of_block = np.concatenate([[0], out[:-1]])
+
+    def prefix(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(a)])
+
+    return BlockArrays(
+        fwd_ms=fwd, bwd_input_ms=bwd_in, bwd_weight_ms=bwd_w, static_bytes=static,
+        activation_bytes=act, output_bytes=out, transient_bytes=transient,
+        num_params=num_params, prefix_fwd=prefix(fwd), prefix_bwd_input=prefix(bwd_in),
+        prefix_bwd_weight=prefix(bwd_w), prefix_static=prefix(static),
+        prefix_activation=prefix(act), prefix_input_of_block=prefix(input_of_block),
+        prefix_num_params=prefix(num_params),
+    )
+
+
+def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = False) -> StageCost:
+    """Cost of the stage holding blocks ``first .. last`` (inclusive).
+
+    With ``recompute`` every block of the stage is checkpointed: a microbatch keeps
+    only each block's input, the backward re-runs the forward, and the largest
+    block's activations are rebuilt transiently during its backward.
+    """
+    if not 0 <= first <= last < arrays.num_blocks:
+        raise ValueError(f"bad stage bounds {first}..{last} for {arrays.num_blocks} blocks")
+    sl = slice(first, last + 1)
+    fwd = float(arrays.prefix_fwd[last + 1] - arrays.prefix_fwd[first])
+    bwd_in = float(arrays.prefix_bwd_input[last + 1] - arrays.prefix_bwd_input[first])
+    transient = int(arrays.transient_bytes[sl].max())
+    if recompute:
+        bwd_in += fwd
+        act = int(arrays.prefix_input_of_block[last + 1] - arrays.prefix_input_of_block[first])
+        transient += int(arrays.activation_bytes[sl].max())
+    else:
+        act = int(arrays.prefix_activation[last + 1] - arrays.prefix_activation[first])
+    last_block = arrays.num_blocks - 1
+    return StageCost(
+        fwd_ms=fwd,
+        bwd_input_ms=bwd_in,
+        bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
+        static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
+        activation_bytes=act,
+        input_bytes=int(arrays.output_bytes[first - 1]) if first > 0 else 0,
+        output_bytes=int(arrays.output_bytes[last]) if last < last_block else 0,
+        transient_bytes=transient,
+        param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),
+        recompute=recompute,
+    )

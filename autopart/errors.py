@@ -1,0 +1,45 @@
+"""The autopart error family: one clear line for the user, exit code 2 in the CLI."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutopartError",
+    "ModelSourceError",
+    "ProfileError",
+    "SchemaError",
+    "PlanError",
+    "InfeasibleError",
+    "RuntimeSetupError",
+]
+
+
+class AutopartError(ValueError):
+    """Base of every error a user can cause.
+
+    The message is one line: what was wrong, the value seen, what was expected
+    and what to do. The CLI prints it as is and exits with code 2.
+    """
+
+
+class ModelSourceError(AutopartError):
+    """A model source (preset, config path, hub id, factory) cannot be turned into a model."""
+
+
+class ProfileError(AutopartError):
+    """Profiling settings are invalid (backend, dtype, shapes) or profiling failed."""
+
+
+class SchemaError(AutopartError):
+    """A JSON file (profile, plan, run report) is malformed or of an unknown version."""
+
+
+class PlanError(AutopartError):
+    """Planner settings are invalid (pp size, microbatches, schedule, ...)."""
+
+
+class InfeasibleError(PlanError):
+    """No plan fits the memory limit; the message says what would fit."""
+
+
+class RuntimeSetupError(AutopartError):
+    """The runtime cannot run this plan here (world size, fingerprint, loss_fn, ...)."""

@@ -1,0 +1,1 @@
+"""autopart's command line: thin commands over the public API."""

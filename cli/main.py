@@ -1,0 +1,69 @@
+"""Entry point of the ``autopart`` command (also ``python -m autopart``).
+
+Each command lives in ``cli/cmd_<name>.py`` with ``add_parser(subparsers)`` and
+``run(args) -> int``. User errors (``AutopartError``) print one line and exit 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from autopart.errors import AutopartError
+
+# Command modules, in the order `autopart --help` lists them.
+_COMMANDS = ("profile", "plan", "simulate", "verify")
+
+
+def _load_commands() -> dict[str, object]:
+    modules = {}
+    for name in _COMMANDS:
+        try:
+            modules[name] = importlib.import_module(f"cli.cmd_{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"cli.cmd_{name}":
+                raise
+    return modules
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The top-level parser with one subparser per available command."""
+    parser = argparse.ArgumentParser(
+        prog="autopart",
+        description="Automatic pipeline parallelism: profile, plan, simulate, run.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = _load_commands()
+    for module in modules.values():
+        module.add_parser(sub)
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the process exit code."""
+    parser, modules = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except AutopartError as exc:
+        if args.debug:
+            raise
+        print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autopart: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
