@@ -1,0 +1,169 @@
+"""Turn a model source into a model on the meta device.
+
+Sources, tried in this order:
+  * a module object (used as is; must already be on meta or CPU),
+  * ``package.module:factory`` (called under ``torch.device("meta")``),
+  * a path to an HF ``config.json`` or to a model directory holding one,
+  * a built-in preset name (``profiles/presets/<name>.json``),
+  * an HF hub id (``org/name``) resolved from the local HF cache only.
+Nothing of full size is ever allocated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopart.errors import ModelSourceError
+
+__all__ = ["LoadedModel", "load_model", "list_presets", "load_hf_config", "build_hf_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model on the meta device and where it came from."""
+
+    model: nn.Module
+    name: str
+    source: str
+    config: Any | None = None
+    """The HF ``PretrainedConfig`` for HF models, else ``None``."""
+
+
+def list_presets() -> list[str]:
+    """Names of the built-in model presets."""
+    root = resources.files("autopart._profiles") / "presets"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_model(source: str | nn.Module, *, name: str | None = None) -> LoadedModel:
+    """Build the model named by ``source`` on the meta device (see the module docstring)."""
+    if isinstance(source, nn.Module):
+        return LoadedModel(model=source, name=name or type(source).__name__,
+                           source=type(source).__name__, config=getattr(source, "config", None))
+    if not isinstance(source, str) or not source:
+        raise ModelSourceError(f"model source must be a non-empty string or nn.Module, "
+                               f"got {source!r}")
+    if ":" in source and not os.path.exists(source):
+        return _from_factory(source, name)
+    path = Path(source).expanduser()
+    if path.exists() or source.endswith(".json") or source.startswith((".", "/", "~")):
+        config = load_hf_config(path)
+        return LoadedModel(model=build_hf_model(config), name=name or _config_name(config, path),
+                           source=str(path), config=config)
+    if source in list_presets():
+        config = _preset_config(source)
+        return LoadedModel(model=build_hf_model(config), name=name or source,
+                           source=f"preset:{source}", config=config)
+    if _looks_like_hub_id(source):
+        config = _hub_config(source)
+        return LoadedModel(model=build_hf_model(config), name=name or source,
+                           source=f"hub:{source}", config=config)
+    raise ModelSourceError(
+        f"unknown model {source!r}: not a preset ({', '.join(list_presets())}), an existing "
+        f"path, a cached hub id (org/name) or package.module:factory; pick a preset or give "
+        f"a path to an HF config.json"
+    )
+
+
+def load_hf_config(path: Path) -> Any:
+    """Read an HF config from ``config.json`` or a directory holding one."""
+    from transformers import AutoConfig
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ModelSourceError(f"config path {path} does not exist (looked for {file}); "
+                               f"give a path to an HF config.json or a model directory")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelSourceError(f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                               f"fix the file or use a preset") from None
+    return _config_from_dict(data, str(file), AutoConfig)
+
+
+def build_hf_model(config: Any) -> nn.Module:
+    """Instantiate an HF causal LM for ``config`` on the meta device (SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = "sdpa"
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise ModelSourceError(f"transformers cannot build a causal LM for model_type "
+                               f"{config.model_type!r} ({exc}); use a decoder-only causal LM "
+                               f"config or a package.module:factory") from None
+
+
+# --- private helpers ---------------------------------------------------------------------------
+
+
+def _config_from_dict(data: Any, where: str, auto_config: Any) -> Any:
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ModelSourceError(f"{where} has no 'model_type'; it is not an HF model config")
+    model_type = data.pop("model_type")
+    try:
+        return auto_config.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise ModelSourceError(f"{where}: transformers does not know model_type "
+                               f"{model_type!r} ({exc}); upgrade transformers or use a "
+                               f"package.module:factory") from None
+
+
+def _preset_config(preset: str) -> Any:
+    from transformers import AutoConfig
+
+    text = (resources.files("autopart._profiles") / "presets" / f"{preset}.json").read_text()
+    return _config_from_dict(json.loads(text), f"preset {preset}", AutoConfig)
+
+
+def _config_name(config: Any, path: Path) -> str:
+    return getattr(config, "name_or_path", "") or (path.parent.name if path.is_file() else path.name)
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+
+
+def _hub_config(repo_id: str) -> Any:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        try_to_load_from_cache = None
+    cached = try_to_load_from_cache(repo_id, "config.json") if try_to_load_from_cache else None
+    if not isinstance(cached, str):
+        raise ModelSourceError(
+            f"hub id {repo_id!r} is not in the local HF cache and autopart does not download; "
+            f"pass a path to its config.json (or a directory holding it) instead"
+        )
+    return load_hf_config(Path(cached))
+
+
+def _from_factory(spec: str, name: str | None) -> LoadedModel:
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSourceError(f"cannot import factory {spec!r} ({exc}); give "
+                               f"package.module:function importable from this directory") from None
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
+        raise ModelSourceError(f"factory {spec!r} raised {type(exc).__name__}: {exc}; "
+                               f"fix the factory so it returns an nn.Module") from None
+    if not isinstance(model, nn.Module):
+        raise ModelSourceError(f"factory {spec!r} returned {type(model).__name__}, "
+                               f"expected an nn.Module")
+    return LoadedModel(model=model, name=name or attr, source=spec,
+                       config=getattr(model, "config", None))

@@ -1,0 +1,120 @@
+"""Per-rank compute-action orders of every schedule, and the in-flight counts they imply.
+
+GPipe and 1F1B orders are generated here (torch 2.13's ``Schedule1F1B.pipeline_order``
+numbers the last rank's microbatches from 1); the multi-stage schedules come from
+torch's own order computation (``_torch_orders.py``). Only compute actions are kept:
+``F`` forward, ``B`` backward (input grad in split schedules, full backward
+otherwise), ``W`` weight grad (split schedules only).
+
+Orders depend only on (schedule, pp, v, m) and are cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopart.errors import PlanError
+from autopart.schedules import check_schedule, schedule_info
+from autopart.simulate._torch_orders import Group, torch_groups
+
+__all__ = ["Action", "rank_orders", "max_in_flight"]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One compute action of one rank."""
+
+    kind: str
+    """``F``, ``B`` (input grad; the full backward in non-split schedules) or ``W``."""
+    stage_idx: int
+    microbatch_idx: int
+
+
+def rank_orders(schedule: str, pp_size: int, virtual_stages: int,
+                num_microbatches: int) -> list[list[Action]]:
+    """Compute actions of each rank, in the order the rank runs them.
+
+    Raises ``PlanError`` when torch's class for ``schedule`` rejects the settings.
+    """
+    return [[Action(*a) for grp in row for a in grp]
+            for row in _groups(schedule, pp_size, virtual_stages, num_microbatches)]
+
+
+@lru_cache(maxsize=1024)
+def max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
+                  num_microbatches: int) -> list[int]:
+    """Per stage: the most microbatches whose activations the stage holds at once.
+
+    A microbatch is held from its ``F`` until its releasing backward (``B`` in
+    non-split schedules, ``W`` in split ones, since torch keeps the graph until the
+    weight grad). Counted from the real action order: 1F1B stage ``s`` holds
+    ``min(pp - s, m)``, GPipe ``m``. Cached; do not mutate the returned list.
+    """
+    release = "W" if schedule_info(schedule).split_backward else "B"
+    num_stages = pp_size * virtual_stages
+    held = [0] * num_stages
+    peak = [0] * num_stages
+    for row in _groups(schedule, pp_size, virtual_stages, num_microbatches):
+        for grp in row:
+            for kind, stage, _ in grp:
+                if kind == "F":
+                    held[stage] += 1
+                    peak[stage] = max(peak[stage], held[stage])
+                elif kind == release:
+                    held[stage] -= 1
+    assert not any(held), f"unreleased activations {held} in {schedule}"
+    return peak
+
+
+@lru_cache(maxsize=256)
+def _groups(schedule: str, pp_size: int, virtual_stages: int,
+            num_microbatches: int) -> tuple[tuple[Group, ...], ...]:
+    """Per rank, the compute groups (one torch action each) in order; validated, cached."""
+    if pp_size < 1 or virtual_stages < 1 or num_microbatches < 1:
+        raise PlanError(f"pp_size ({pp_size}), virtual_stages ({virtual_stages}) and "
+                        f"num_microbatches ({num_microbatches}) must all be >= 1")
+    check_schedule(schedule, pp_size, virtual_stages, num_microbatches)
+    info = schedule_info(schedule)
+    if schedule == "gpipe":
+        rows = [_gpipe(rank, num_microbatches) for rank in range(pp_size)]
+    elif schedule == "1f1b":
+        rows = [_one_f_one_b(rank, pp_size, num_microbatches) for rank in range(pp_size)]
+    else:
+        rows = torch_groups(info.torch_class, pp_size, virtual_stages, num_microbatches,
+                            info.split_backward)
+    _check_coverage(rows, schedule, pp_size * virtual_stages, num_microbatches,
+                    info.split_backward)
+    return tuple(tuple(row) for row in rows)
+
+
+def _gpipe(rank: int, num_microbatches: int) -> list[Group]:
+    """All forwards, then all backwards in microbatch order (torch's ScheduleGPipe)."""
+    return ([(("F", rank, mb),) for mb in range(num_microbatches)]
+            + [(("B", rank, mb),) for mb in range(num_microbatches)])
+
+
+def _one_f_one_b(rank: int, pp_size: int, num_microbatches: int) -> list[Group]:
+    """``pp - rank`` warm-up forwards, then alternate B and F, then drain the backwards.
+
+    The same order torch's ``Schedule1F1B._step_microbatches`` runs.
+    """
+    num_warmup = min(num_microbatches, pp_size - rank)
+    order: list[Group] = [(("F", rank, mb),) for mb in range(num_warmup)]
+    for mb in range(num_microbatches):
+        order.append((("B", rank, mb),))
+        if num_warmup + mb < num_microbatches:
+            order.append((("F", rank, num_warmup + mb),))
+    return order
+
+
+def _check_coverage(rows: list[list[Group]], schedule: str, num_stages: int,
+                    num_microbatches: int, split_backward: bool) -> None:
+    """Every (stage, microbatch) appears exactly once per kind (an internal invariant)."""
+    kinds = ("F", "B", "W") if split_backward else ("F", "B")
+    seen = [a for row in rows for grp in row for a in grp]
+    expected = {(k, s, mb) for k in kinds for s in range(num_stages)
+                for mb in range(num_microbatches)}
+    assert len(seen) == len(expected) and set(seen) == expected, (
+        f"{schedule} order does not cover every action once: "
+        f"{len(seen)} actions, missing {sorted(expected - set(seen))[:5]}")
