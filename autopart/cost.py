@@ -19,12 +19,12 @@ import numpy as np
 from autopart.schema import DTYPE_BYTES, Profile, TrainingSetup
 
 __all__ = [
-    "StageCost",
     "BlockArrays",
+    "StageCost",
     "block_arrays",
-    "static_bytes_per_param",
-    "stage_cost",
     "comm_ms",
+    "stage_cost",
+    "static_bytes_per_param",
 ]
 
 

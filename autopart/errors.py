@@ -4,12 +4,12 @@ from __future__ import annotations
 
 __all__ = [
     "AutopartError",
-    "ModelSourceError",
-    "ProfileError",
-    "SchemaError",
-    "PlanError",
     "InfeasibleError",
+    "ModelSourceError",
+    "PlanError",
+    "ProfileError",
     "RuntimeSetupError",
+    "SchemaError",
 ]
 
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from autopart.errors import PlanError
 
 __all__ = [
-    "ScheduleInfo",
     "SCHEDULES",
+    "ScheduleInfo",
+    "check_schedule",
     "schedule_info",
     "stage_to_rank",
     "stages_of_rank",
-    "check_schedule",
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,12 +23,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "BlockProfile",
     "ModelInfo",
-    "ProfileSetup",
-    "Profile",
-    "TrainingSetup",
-    "StagePlan",
-    "RankPlan",
     "Plan",
+    "Profile",
+    "ProfileSetup",
+    "RankPlan",
+    "StagePlan",
+    "TrainingSetup",
     "dump_json",
     "load_json",
 ]
@@ -302,7 +303,7 @@ def _to_plain(obj: Any) -> Any:
         return [_to_plain(x) for x in obj]
     if isinstance(obj, dict):
         return {str(k): _to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, float) and obj != obj:
+    if isinstance(obj, float) and math.isnan(obj):
         raise SchemaError("refusing to write NaN into JSON")
     return obj
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LayerContext", "HFCausalLM", "causal_lm_loss", "init_rotary"]
+__all__ = ["HFCausalLM", "LayerContext", "causal_lm_loss", "init_rotary"]
 
 IGNORE_INDEX = -100
 
@@ -96,8 +96,9 @@ class HFCausalLM:
             create_sliding_window_causal_mask,
         )
 
-        kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                      past_key_values=None, position_ids=position_ids)
+        kwargs = {"config": self.config, "inputs_embeds": hidden,
+                  "attention_mask": attention_mask, "past_key_values": None,
+                  "position_ids": position_ids}
         makers = {"full_attention": create_causal_mask,
                   "sliding_attention": create_sliding_window_causal_mask}
         return {t: makers[t](**kwargs) for t in types}

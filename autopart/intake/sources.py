@@ -24,7 +24,7 @@ from torch import nn
 
 from autopart.errors import ModelSourceError
 
-__all__ = ["LoadedModel", "load_model", "list_presets", "load_hf_config", "build_hf_model"]
+__all__ = ["LoadedModel", "build_hf_model", "list_presets", "load_hf_config", "load_model"]
 
 
 @dataclass(frozen=True, slots=True)
