@@ -73,6 +73,8 @@ class BlockProfile:
     """Name of the identical block whose measurement was reused, if any."""
     compile_ms: float = 0.0
     """Compilation time outside the timed region (XLA backend)."""
+    class_name: str = ""
+    """Class of the block's module (e.g. ``LlamaDecoderLayer``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +92,10 @@ class ModelInfo:
     vocab_size: int = 0
     hidden_size: int = 0
     num_layers: int = 0
+    layer_classes: tuple[str, ...] = ()
+    """Class names of the repeated layers (NxD's ``transformer_layer_cls``)."""
+    shared_modules: tuple[str, ...] = ()
+    """Parameter-free modules every stage needs (e.g. ``model.rotary_emb``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

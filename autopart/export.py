@@ -1,0 +1,146 @@
+"""Plan -> the formats other tools take. Nothing here decides anything.
+
+* NxD (``NxDPPModel``): ``pipeline_cuts`` (the last transformer layer of every stage
+  but the final one), ``virtual_pipeline_size``, ``num_microbatches``,
+  ``transformer_layer_cls`` and ``leaf_module_cls``.
+* NeMo AutoPipeline and torchtitan: ``module_fqns_per_model_part`` (a list of
+  module FQNs per stage; NeMo also wants the shared rotary module on every stage).
+* Megatron-core: ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t``
+  decoder layer, ``L`` loss/head, stages split by ``|``, listed in stage order).
+"""
+
+from __future__ import annotations
+
+import json
+
+from autopart.errors import PlanError
+from autopart.schedules import schedule_info
+from autopart.schema import Plan, Profile
+
+__all__ = [
+    "FORMATS",
+    "export_plan",
+    "nxd_snippet",
+    "to_megatron_layout",
+    "to_module_fqns",
+    "to_nxd",
+]
+
+FORMATS = ("nxd", "nemo", "torchtitan", "megatron")
+
+_NORM_LEAF_CLASSES = ("RMSNorm", "LayerNorm")
+
+
+def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
+    """NxDPPModel arguments for ``plan``; raise ``PlanError`` where NxD cannot follow it.
+
+    NxD cuts at transformer-layer module names, keeps the embedding on the first
+    stage and the head on the last, and its interleaved schedule needs
+    ``num_microbatches`` divisible by the pipeline size.
+    """
+    kinds = _kinds(profile)
+    cuts = list(plan.pipeline_cuts)
+    for cut in cuts:
+        if kinds.get(cut) != "decoder_layer":
+            raise PlanError(
+                f"cut after {cut!r} is not at a transformer layer, which NxD requires; "
+                f"re-plan with --format nxd so cuts stay on layer boundaries")
+    if schedule_info(plan.schedule).style != "loop":
+        raise PlanError(f"NxD has no {plan.schedule} schedule; plan with --schedule 1f1b or "
+                        f"interleaved-1f1b for NxD")
+    if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp_size:
+        raise PlanError(f"NxD's interleaved schedule needs num_microbatches "
+                        f"({plan.num_microbatches}) divisible by pp ({plan.pp_size}); "
+                        f"re-plan with --microbatches a multiple of {plan.pp_size}")
+    layer_cls = list(profile.model.layer_classes)
+    leaf_cls = sorted({b.class_name for b in profile.blocks
+                       if b.class_name.endswith(_NORM_LEAF_CLASSES)})
+    return {"pipeline_cuts": cuts, "virtual_pipeline_size": plan.virtual_stages,
+            "num_microbatches": plan.num_microbatches, "pipeline_parallel_size": plan.pp_size,
+            "transformer_layer_cls": layer_cls, "leaf_module_cls": leaf_cls}
+
+
+def nxd_snippet(plan: Plan, profile: Profile) -> str:
+    """Ready-to-paste Python for ``NxDPPModel`` built from ``to_nxd``."""
+    args = to_nxd(plan, profile)
+    layer_cls = ", ".join(args["transformer_layer_cls"]) or "<your decoder layer class>"
+    leaf = ", ".join(f"{c}.__name__" for c in args["leaf_module_cls"])
+    lines = [
+        (f"# autopart plan for {plan.model_name or 'the model'}: pp={plan.pp_size}, "
+        f"{plan.schedule}, predicted {plan.predicted_step_ms:.1f} ms/step"),
+        f"pipeline_cuts = {json.dumps(args['pipeline_cuts'])}",
+        "model = NxDPPModel(",
+        "    model,",
+        f"    transformer_layer_cls={layer_cls},",
+        f"    num_microbatches={args['num_microbatches']},",
+        f"    virtual_pipeline_size={args['virtual_pipeline_size']},",
+        "    output_loss_value_spec=(True, False),",
+        '    input_names=["input_ids", "attention_mask", "labels"],',
+        "    pipeline_cuts=pipeline_cuts,",
+        f"    leaf_module_cls=[{leaf}],",
+        ")",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def to_module_fqns(plan: Plan, shared_modules: tuple[str, ...] = ()) -> list[list[str]]:
+    """``module_fqns_per_model_part``: module FQNs per stage, in stage order."""
+    return [list(stage.modules) + list(shared_modules) for stage in plan.stages]
+
+
+def to_megatron_layout(plan: Plan, profile: Profile) -> str:
+    """Megatron-core ``pipeline_model_parallel_layout`` string for ``plan``."""
+    if schedule_info(plan.schedule).style != "loop":
+        raise PlanError(f"Megatron's layout has no V placement ({plan.schedule}); plan with "
+                        f"--schedule 1f1b or interleaved-1f1b for Megatron")
+    symbols = {"embedding": "E", "decoder_layer": "t", "head": "L", "norm": ""}
+    kinds = _kinds(profile)
+    parts = []
+    for stage in plan.stages:
+        letters = []
+        for module in stage.modules:
+            kind = kinds.get(module)
+            if kind not in symbols:
+                raise PlanError(f"Megatron's layout cannot express block {module!r} of kind "
+                                f"{kind!r}; it covers embedding, decoder layers and the head")
+            letters.append(symbols[kind])
+        parts.append(_compress("".join(letters)))
+    return "|".join(parts)
+
+
+def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
+    """Text of ``plan`` in format ``fmt`` (one of ``FORMATS``)."""
+    if fmt == "nxd":
+        return nxd_snippet(plan, profile)
+    if fmt == "nemo":
+        shared = ("model.rotary_emb",) if profile.model.family.startswith("hf") else ()
+        return json.dumps({"module_fqns_per_model_part": to_module_fqns(plan, shared)},
+                          indent=2) + "\n"
+    if fmt == "torchtitan":
+        return json.dumps({"parallelism": {
+            "pipeline_parallel_degree": plan.pp_size,
+            "pipeline_parallel_microbatch_size": profile.setup.micro_batch_size,
+            "module_fqns_per_model_part": to_module_fqns(plan)}}, indent=2) + "\n"
+    if fmt == "megatron":
+        # Megatron derives the virtual pipeline size from the number of stages in the layout.
+        layout = to_megatron_layout(plan, profile)
+        return (f"--pipeline-model-parallel-size {plan.pp_size} "
+                f"--pipeline-model-parallel-layout \"{layout}\"\n")
+    raise PlanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def _kinds(profile: Profile) -> dict[str, str]:
+    return {b.name: b.kind for b in profile.blocks}
+
+
+def _compress(letters: str) -> str:
+    """``Etttt`` -> ``Et*4``: runs of three or more become ``x*N``."""
+    out, i = [], 0
+    while i < len(letters):
+        j = i
+        while j < len(letters) and letters[j] == letters[i]:
+            j += 1
+        run = j - i
+        out.append(f"{letters[i]}*{run}" if run >= 3 else letters[i] * run)
+        i = j
+    return "".join(out)
