@@ -1,0 +1,162 @@
+"""Data contracts: JSON round trips, loader errors, cost arithmetic, stage-to-rank mapping.
+
+Compared against hand-computed values and torch's own stage-to-rank mapping.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopart.cost import block_arrays, comm_ms, stage_cost, static_bytes_per_param
+from autopart.errors import PlanError, SchemaError
+from autopart.schedules import SCHEDULES, check_schedule, stage_to_rank, stages_of_rank
+from autopart.schema import (
+    BlockProfile,
+    ModelInfo,
+    Plan,
+    Profile,
+    ProfileSetup,
+    RankPlan,
+    StagePlan,
+    TrainingSetup,
+)
+
+
+def _block(name: str, fwd: float, act: int, out: int, params: int) -> BlockProfile:
+    return BlockProfile(name=name, kind="block", fwd_ms=fwd, bwd_ms=2 * fwd,
+                        bwd_input_ms=fwd, bwd_weight_ms=fwd, param_bytes=4 * params,
+                        activation_bytes=act, output_bytes=out, transient_bytes=act // 2,
+                        num_params=params)
+
+
+def _profile() -> Profile:
+    blocks = (_block("a", 1.0, 100, 10, 5), _block("b", 2.0, 200, 20, 7),
+              _block("c", 3.0, 300, 30, 11))
+    return Profile(model=ModelInfo(name="m", fingerprint="f", num_params=23),
+                   setup=ProfileSetup(backend="cpu", device_name="cpu", dtype="float32",
+                                      micro_batch_size=1, seq_len=8, torch_version="x"),
+                   blocks=blocks)
+
+
+def test_profile_round_trip_is_exact_and_sorted():
+    profile = _profile()
+    text = profile.to_json()
+    assert Profile.from_json(text) == profile
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+
+
+def test_profile_loader_names_file_and_missing_key(tmp_path):
+    data = json.loads(_profile().to_json())
+    del data["blocks"][1]["output_bytes"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=r"p\.json is missing key 'blocks\[1\]\.output_bytes'"):
+        Profile.load(path)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a profile object"),
+    ('{"schema_version": 99}', "schema_version 99"),
+])
+def test_profile_loader_rejects_bad_files(text, message):
+    with pytest.raises(SchemaError, match=message):
+        Profile.from_json(text, "x.json")
+
+
+def test_missing_file_is_a_schema_error(tmp_path):
+    with pytest.raises(SchemaError, match="does not exist"):
+        Plan.load(tmp_path / "nope.json")
+
+
+def test_plan_round_trip():
+    stages = tuple(StagePlan(index=i, rank=i, modules=(n,), fwd_ms=1.0, bwd_ms=2.0,
+                             param_count=3) for i, n in enumerate("ab"))
+    ranks = tuple(RankPlan(rank=i, stages=(i,), peak_memory_bytes=10, busy_ms=3.0)
+                  for i in range(2))
+    plan = Plan(profile_fingerprint="f", pp_size=2, virtual_stages=1, schedule="1f1b",
+                num_microbatches=4, pipeline_cuts=("a",), stages=stages, ranks=ranks,
+                predicted_step_ms=9.0, bubble_fraction=0.2,
+                baselines={"even": {"predicted_step_ms": 9.0}})
+    assert Plan.from_json(plan.to_json()) == plan
+    broken = json.loads(plan.to_json())
+    broken["pipeline_cuts"] = []
+    with pytest.raises(SchemaError, match="inconsistent"):
+        Plan.from_json(json.dumps(broken), "plan.json")
+
+
+def test_static_bytes_per_param():
+    assert static_bytes_per_param(TrainingSetup(pp_size=1, num_microbatches=1)) == 16
+    mixed = TrainingSetup(pp_size=1, num_microbatches=1, param_dtype="bfloat16",
+                          grad_dtype="bfloat16", master_weights=True)
+    assert static_bytes_per_param(mixed) == 2 + 2 + 8 + 4
+    sgd = TrainingSetup(pp_size=1, num_microbatches=1, optimizer="sgd")
+    assert static_bytes_per_param(sgd) == 12
+
+
+def test_stage_cost_sums_blocks_and_boundaries():
+    setup = TrainingSetup(pp_size=2, num_microbatches=4, optimizer="none")
+    arrays = block_arrays(_profile(), setup)
+    cost = stage_cost(arrays, 1, 2)
+    assert (cost.fwd_ms, cost.bwd_ms) == (5.0, 10.0)
+    assert cost.activation_bytes == 500
+    assert (cost.input_bytes, cost.output_bytes) == (10, 0)
+    assert cost.static_bytes == 18 * 8  # params + grads, fp32
+    assert cost.transient_bytes == 150
+    assert arrays.stage_time_ms(1, 2) == 15.0
+
+
+def test_recompute_keeps_only_block_inputs():
+    setup = TrainingSetup(pp_size=2, num_microbatches=4)
+    cost = stage_cost(block_arrays(_profile(), setup), 1, 2, recompute=True)
+    assert cost.activation_bytes == 10 + 20  # inputs of blocks b and c
+    assert cost.bwd_input_ms == 5.0 + 5.0  # B plus the recomputed forward
+    assert cost.transient_bytes == 150 + 300
+
+
+def test_stage_cost_rejects_bad_bounds():
+    arrays = block_arrays(_profile(), TrainingSetup(pp_size=1, num_microbatches=1))
+    with pytest.raises(ValueError, match="bad stage bounds"):
+        stage_cost(arrays, 2, 1)
+
+
+def test_comm_ms():
+    setup = TrainingSetup(pp_size=2, num_microbatches=1, link_bandwidth_bytes_per_s=1e9,
+                          link_latency_ms=0.5)
+    assert comm_ms(0, setup) == 0.0
+    assert comm_ms(10**6, setup) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(("pp", "v", "style"), [(2, 2, "loop"), (4, 2, "v"), (3, 3, "loop"),
+                                                (4, 4, "v")])
+def test_stage_to_rank_matches_torch(pp, v, style):
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    expected = generate_stage_to_rank_mapping(pp, pp * v, style=style)
+    assert {s: stage_to_rank(s, pp, v, style) for s in range(pp * v)} == expected
+    assert sorted(s for r in range(pp) for s in stages_of_rank(r, pp, v, style)) == \
+        list(range(pp * v))
+
+
+def test_schedule_constraints():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                              "interleaved-zb", "zbv", "dualpipev"}
+    check_schedule("1f1b", 4, 1, 4)
+    check_schedule("zbv", 2, 2, 4)
+    with pytest.raises(PlanError, match="at least as many microbatches"):
+        check_schedule("1f1b", 4, 1, 3)
+    with pytest.raises(PlanError, match="exactly 2"):
+        check_schedule("zbv", 2, 3, 8)
+    with pytest.raises(PlanError, match="unknown schedule 'fast'"):
+        check_schedule("fast", 2, 1, 4)
+    with pytest.raises(PlanError, match="multiple of"):
+        check_schedule("interleaved-1f1b", 4, 2, 10 + 1)
+
+
+def test_training_setup_validates():
+    with pytest.raises(SchemaError, match="pp_size"):
+        TrainingSetup(pp_size=0, num_microbatches=1)
+    with pytest.raises(SchemaError, match="optimizer"):
+        TrainingSetup(pp_size=1, num_microbatches=1, optimizer="lion")

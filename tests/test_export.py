@@ -1,0 +1,90 @@
+"""Exports: plans rendered for NxD, NeMo/torchtitan and Megatron, checked by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopart.errors import PlanError
+from autopart.export import export_plan, to_megatron_layout, to_module_fqns, to_nxd
+from autopart.schema import (
+    BlockProfile,
+    ModelInfo,
+    Plan,
+    Profile,
+    ProfileSetup,
+    RankPlan,
+    StagePlan,
+)
+
+NAMES = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(6)] + ["model.norm", "lm_head"]
+KINDS = ["embedding"] + ["decoder_layer"] * 6 + ["norm", "head"]
+CLASSES = ["Embedding"] + ["LlamaDecoderLayer"] * 6 + ["LlamaRMSNorm", "Linear"]
+
+
+def _profile() -> Profile:
+    blocks = tuple(BlockProfile(name=n, kind=k, class_name=c, fwd_ms=1.0, bwd_ms=2.0,
+                                bwd_input_ms=1.0, bwd_weight_ms=1.0, param_bytes=4,
+                                activation_bytes=1, output_bytes=1, transient_bytes=1)
+                   for n, k, c in zip(NAMES, KINDS, CLASSES, strict=True))
+    return Profile(model=ModelInfo(name="tiny", fingerprint="f", num_params=9,
+                                   family="hf_causal_lm", layer_classes=("LlamaDecoderLayer",)),
+                   setup=ProfileSetup(backend="cpu", device_name="cpu", dtype="float32",
+                                      micro_batch_size=2, seq_len=8, torch_version="x"),
+                   blocks=blocks)
+
+
+def _plan(sizes: list[int], schedule: str = "1f1b", v: int = 1, m: int = 4) -> Plan:
+    pp = len(sizes) // v
+    stages, start = [], 0
+    for i, size in enumerate(sizes):
+        stages.append(StagePlan(index=i, rank=i % pp, modules=tuple(NAMES[start:start + size]),
+                                fwd_ms=1.0, bwd_ms=2.0, param_count=1))
+        start += size
+    assert start == len(NAMES)
+    cuts = tuple(s.modules[-1] for s in stages[:-1])
+    ranks = tuple(RankPlan(rank=r, stages=tuple(s.index for s in stages if s.rank == r),
+                           peak_memory_bytes=1, busy_ms=1.0) for r in range(pp))
+    return Plan(profile_fingerprint="f", pp_size=pp, virtual_stages=v, schedule=schedule,
+                num_microbatches=m, pipeline_cuts=cuts, stages=tuple(stages), ranks=ranks,
+                predicted_step_ms=10.0, bubble_fraction=0.1, model_name="tiny")
+
+
+def test_nxd_cuts_and_classes():
+    args = to_nxd(_plan([4, 5]), _profile())
+    assert args["pipeline_cuts"] == ["model.layers.2"]
+    assert args["transformer_layer_cls"] == ["LlamaDecoderLayer"]
+    assert args["leaf_module_cls"] == ["LlamaRMSNorm"]
+    snippet = export_plan(_plan([4, 5]), _profile(), "nxd")
+    assert 'pipeline_cuts = ["model.layers.2"]' in snippet
+    assert "virtual_pipeline_size=1" in snippet
+
+
+def test_nxd_refuses_cut_outside_layers_and_bad_microbatches():
+    with pytest.raises(PlanError, match="not at a transformer layer"):
+        to_nxd(_plan([1, 8]), _profile())
+    with pytest.raises(PlanError, match="divisible by pp"):
+        to_nxd(_plan([2, 2, 2, 3], schedule="interleaved-1f1b", v=2, m=5), _profile())
+
+
+def test_module_fqns_and_nemo_rotary():
+    plan = _plan([4, 5])
+    assert to_module_fqns(plan)[1] == NAMES[4:]
+    nemo = json.loads(export_plan(plan, _profile(), "nemo"))
+    assert all(part[-1] == "model.rotary_emb" for part in nemo["module_fqns_per_model_part"])
+    titan = json.loads(export_plan(plan, _profile(), "torchtitan"))
+    assert titan["parallelism"]["module_fqns_per_model_part"][0] == NAMES[:4]
+
+
+def test_megatron_layout():
+    assert to_megatron_layout(_plan([4, 5]), _profile()) == "Et*3|t*3L"
+    assert to_megatron_layout(_plan([2, 2, 2, 3], "interleaved-1f1b", v=2), _profile()) == \
+        "Et|tt|tt|tL"
+    with pytest.raises(PlanError, match="no V placement"):
+        to_megatron_layout(_plan([2, 2, 2, 3], "zbv", v=2), _profile())
+
+
+def test_unknown_format():
+    with pytest.raises(PlanError, match="unknown export format"):
+        export_plan(_plan([4, 5]), _profile(), "deepspeed")
