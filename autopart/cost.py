@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.schema import DTYPE_BYTES, Profile, TrainingSetup
+from autopart.schema import DTYPE_BYTES, Plan, Profile, TrainingSetup
 
 __all__ = [
     "BlockArrays",
@@ -171,3 +171,13 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),
         recompute=recompute,
     )
+
+
+def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
+    """Rebuild the StageCosts recorded in ``plan`` (to simulate a plan without its profile)."""
+    return [StageCost(fwd_ms=s.fwd_ms, bwd_input_ms=s.bwd_input_ms,
+                      bwd_weight_ms=s.bwd_weight_ms, static_bytes=s.static_bytes,
+                      activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
+                      output_bytes=s.output_bytes, transient_bytes=s.transient_bytes,
+                      param_count=s.param_count, recompute=s.recompute)
+            for s in plan.stages]

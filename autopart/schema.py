@@ -204,6 +204,11 @@ class StagePlan:
     """Activations one microbatch keeps alive in this stage (after recompute)."""
     static_bytes: int = 0
     """Parameters + gradients + optimizer state."""
+    input_bytes: int = 0
+    """Received from the previous stage per microbatch."""
+    output_bytes: int = 0
+    """Sent to the next stage per microbatch."""
+    transient_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,55 @@
+"""Small parsing and formatting helpers shared by the commands."""
+
+from __future__ import annotations
+
+import re
+
+from autopart.errors import AutopartError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``80GiB`` / ``24GB`` / ``512MiB`` / ``1000000`` -> bytes; one-line error otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise AutopartError(f"{flag} {text!r} is not a size; write e.g. 80GiB, 24GB or 512MiB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise AutopartError(f"{flag} must be positive, got {text!r}")
+    return int(value)
+
+
+def gib(num_bytes: float) -> str:
+    """Bytes as GiB with two decimals (MiB below 1 GiB)."""
+    if num_bytes < 2**30:
+        return f"{num_bytes / 2**20:.1f} MiB"
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
+    """``[a.layers.0, a.layers.1, a.layers.2, b]`` -> ``a.layers.0-2, b``."""
+    out: list[str] = []
+    run_prefix, run_start, run_end = None, None, None
+
+    def flush() -> None:
+        if run_prefix is not None:
+            out.append(f"{run_prefix}{run_start}" if run_start == run_end
+                       else f"{run_prefix}{run_start}-{run_end}")
+
+    for name in modules:
+        match = re.fullmatch(r"(.*\.)(\d+)", name)
+        if match and match.group(1) == run_prefix and int(match.group(2)) == run_end + 1:
+            run_end += 1
+            continue
+        flush()
+        if match:
+            run_prefix, run_start, run_end = match.group(1), int(match.group(2)), int(match.group(2))
+        else:
+            run_prefix = None
+            out.append(name)
+    flush()
+    return ", ".join(out)

@@ -1,0 +1,46 @@
+"""``autopart simulate PLAN``: replay a plan's schedule, draw the timeline, write a trace."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from autopart.cost import stage_costs_of_plan
+from autopart.schema import Plan, TrainingSetup
+from autopart.simulate import render_timeline, simulate, write_trace
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``simulate`` command."""
+    p = sub.add_parser("simulate", help="draw a plan's schedule timeline and write a trace",
+                       description="Replay PLAN (from `autopart plan --out`) in the event "
+                                   "simulator: per-rank timeline in the terminal, step time, "
+                                   "bubble, peak memory, and a Chrome/Perfetto trace.")
+    p.add_argument("plan", help="plan JSON written by `autopart plan --out`")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="write the Chrome/Perfetto trace JSON here (open in ui.perfetto.dev)")
+    p.add_argument("--width", type=int, default=100, help="timeline width in characters")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate the plan and print the timeline."""
+    plan = Plan.load(args.plan)
+    setup = TrainingSetup(**plan.setup) if plan.setup else TrainingSetup(
+        pp_size=plan.pp_size, num_microbatches=plan.num_microbatches)
+    result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
+                      virtual_stages=plan.virtual_stages,
+                      num_microbatches=plan.num_microbatches, setup=setup)
+    console = Console()
+    console.print(f"[bold]{plan.model_name or 'plan'}[/]: pp={plan.pp_size} "
+                  f"v={plan.virtual_stages} {plan.schedule} m={plan.num_microbatches}")
+    console.print(render_timeline(result, width=args.width), highlight=False, markup=False)
+    console.print(f"step {result.step_ms:.2f} ms, bubble {100 * result.bubble_fraction:.1f}%")
+    for rank, peak in enumerate(result.rank_peak_memory_bytes):
+        console.print(f"  rank {rank}: busy {result.rank_busy_ms[rank]:.2f} ms, "
+                      f"idle {result.rank_idle_ms[rank]:.2f} ms, peak {peak / 2**30:.2f} GiB")
+    if args.trace:
+        names = [f"stage {s.index}: {s.modules[0]}..{s.modules[-1]}" for s in plan.stages]
+        write_trace(result, args.trace, stage_names=names)
+        console.print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0
