@@ -1,0 +1,129 @@
+"""``auto_pipeline``: wrap a model with a plan and return this rank's ``PipelinedModel``.
+
+Order of work: every check that can fail (groups, plan, fingerprint, loss_fn)
+runs before the first collective; then this rank's blocks alone are given real
+storage, wrapped into stage modules with original FQNs, and handed to the torch
+schedule named by the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.intake import BlockChain, discover_blocks, init_rotary, load_model
+from autopart.runtime.groups import Groups, resolve_groups, tied_group
+from autopart.runtime.hf_stage import TokenMeanLoss
+from autopart.runtime.materialize import materialize_blocks
+from autopart.runtime.pipeline import PipelinedModel, TiedWeight
+from autopart.runtime.plan_source import resolve_plan
+from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
+from autopart.runtime.tree import prune
+from autopart.runtime.validate import check_plan, recompute_rule
+from autopart.schedules import schedule_info, stages_of_rank
+from autopart.schema import Plan, StagePlan
+
+__all__ = ["auto_pipeline"]
+
+logger = logging.getLogger(__name__)
+
+_EMBED, _HEAD = "model.embed_tokens", "lm_head"
+
+
+def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
+                  loss_fn: Callable[..., torch.Tensor] | None = None,
+                  device: torch.device | str | None = None,
+                  pp_group: dist.ProcessGroup | None = None, device_mesh=None,
+                  param_init_fn: Callable[[nn.Module], None] | None = None,
+                  dtype: torch.dtype | None = None,
+                  activation_checkpointing: bool | str | None = None,
+                  checkpoint_path: str | Path | None = None,
+                  autocast_dtype: torch.dtype | None = None,
+                  init_seed: int = 0) -> PipelinedModel:
+    """Build this rank's stages of ``model_or_source`` as ``plan`` says.
+
+    ``model_or_source``: a model (best on the meta device) or an ``autopart`` model
+    source (preset, HF config path, ``pkg.module:factory``). ``plan``: a ``Plan``,
+    a path to plan JSON, or ``"auto"`` (profile and solve on rank 0, broadcast).
+    ``loss_fn(output, target)``: required for non-HF models; HF causal LMs default
+    to the token-mean next-token loss over the whole batch. ``device_mesh``: a
+    DeviceMesh with dims ``("pp", "dp")`` for pipeline x data parallelism, or
+    ``pp_group`` for a pipeline that is not the whole world. Weights come from
+    ``checkpoint_path`` (local safetensors) if given, else ``param_init_fn(block)``,
+    else the model's own initialization seeded per block (``init_seed``).
+    ``activation_checkpointing``: ``"plan"`` (stages the plan marks), ``True`` (all)
+    or ``None``. ``autocast_dtype``: run forward under ``torch.autocast``.
+    """
+    groups = resolve_groups(pp_group, device_mesh)
+    root = load_model(model_or_source).model
+    chain = discover_blocks(root)
+    plan_obj = resolve_plan(plan, model_or_source, root, chain, groups)
+    check_plan(plan_obj, chain, pp_size=groups.pp_size, has_loss_fn=loss_fn is not None)
+    recompute = recompute_rule(activation_checkpointing)
+    dev = _resolve_device(device)
+    info = schedule_info(plan_obj.schedule)
+    mine = [plan_obj.stages[i] for i in stages_of_rank(
+        groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
+    hf = chain.family == "hf_causal_lm"
+    aliases = {f"{_HEAD}.weight": f"{_EMBED}.weight"} if hf and chain.tied_embeddings else {}
+
+    module = _materialize(root, chain, mine, dev, dtype=dtype, param_init_fn=param_init_fn,
+                          checkpoint_path=checkpoint_path, init_seed=init_seed,
+                          aliases=aliases)
+    stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
+                                        autocast_dtype=autocast_dtype)
+    tied = _tie_across_ranks(module, plan_obj, chain, groups, mine)
+    token_loss = TokenMeanLoss() if hf and loss_fn is None else None
+    pipe_stages = wrap_stages(stage_modules, mine, len(plan_obj.stages), dev, groups.pp_group)
+    schedule = build_schedule(plan_obj, pipe_stages, token_loss or loss_fn,
+                              scale_grads=token_loss is None)
+    pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
+                               schedule=schedule, plan=plan_obj, groups=groups, device=dev,
+                               token_loss=token_loss, tied=tied, aliases=aliases)
+    if dist.get_rank() == 0:
+        logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
+    return pipelined
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
+                 device: torch.device, **kwargs) -> nn.Module:
+    """Real storage for this rank's blocks (+ shared modules); a tree of them with FQNs."""
+    index = {name: i for i, name in enumerate(chain.names)}
+    fqns = [m for stage in mine for m in stage.modules]
+    module = prune(root, [*fqns, *chain.shared_modules])
+    materialize_blocks(root, [(index[f], f) for f in fqns], device=device, **kwargs)
+    if chain.family == "hf_causal_lm":
+        init_rotary(module, device)
+        if chain.tied_embeddings and _EMBED in fqns and _HEAD in fqns:
+            module.get_submodule(_HEAD).weight = module.get_submodule(_EMBED).weight
+    module.train()
+    return module
+
+
+def _tie_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups: Groups,
+                      mine: list[StagePlan]) -> TiedWeight | None:
+    """Tied embedding split over two ranks: a group of the two, same initial values."""
+    if not (chain.family == "hf_causal_lm" and chain.tied_embeddings):
+        return None
+    first_rank, last_rank = plan.stages[0].rank, plan.stages[-1].rank
+    if first_rank == last_rank or groups.pp_rank not in (first_rank, last_rank):
+        return None
+    group = tied_group(groups, first_rank, last_rank)
+    is_first = groups.pp_rank == first_rank
+    param = module.get_submodule(_EMBED if is_first else _HEAD).weight
+    with torch.no_grad():
+        dist.broadcast(param.data, src=groups.pp_global_ranks[first_rank], group=group)
+    return TiedWeight(param=param, group=group, counts_in_norm=is_first)

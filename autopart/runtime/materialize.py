@@ -1,0 +1,128 @@
+"""Give real storage to the blocks one rank holds, and nothing else.
+
+A block on the meta device gets ``to_empty`` on the target device, then its values
+from (in order of preference) a local safetensors checkpoint, the user's
+``param_init_fn``, or a default initialization seeded by the block's position so
+that the same block gets the same values whatever the plan (HF models use the
+model's own ``_init_weights``; other modules their ``reset_parameters``).
+Host memory never holds more than this rank's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autopart.errors import RuntimeSetupError
+
+__all__ = ["SafetensorsReader", "materialize_blocks"]
+
+logger = logging.getLogger(__name__)
+
+
+class SafetensorsReader:
+    """Reads single tensors by FQN from an HF safetensors file or directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open  # lazy: only checkpoint loading needs it
+
+        self._open = safe_open
+        self.path = Path(path)
+        self._where: dict[str, Path] = {}
+        if self.path.is_file():
+            files = [self.path]
+        elif self.path.is_dir():
+            files = sorted(self.path.glob("*.safetensors"))
+        else:
+            raise RuntimeSetupError(f"checkpoint_path {self.path} does not exist; give a "
+                                    f"safetensors file or a directory of them")
+        index = self.path / "model.safetensors.index.json"
+        if self.path.is_dir() and index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._where = {k: self.path / v for k, v in weight_map.items()}
+        else:
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    self._where.update({k: file for k in f.keys()})  # noqa: SIM118
+        if not self._where:
+            raise RuntimeSetupError(f"checkpoint_path {self.path} holds no safetensors "
+                                    f"tensors; give an HF model directory saved as safetensors")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor stored under ``name`` (only this tensor is read)."""
+        with self._open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def materialize_blocks(root: nn.Module, blocks: list[tuple[int, str]], *,
+                       device: torch.device, dtype: torch.dtype | None,
+                       param_init_fn: Callable[[nn.Module], None] | None,
+                       checkpoint_path: str | Path | None, init_seed: int,
+                       aliases: dict[str, str]) -> None:
+    """Allocate and fill the blocks ``[(block_idx, fqn), ...]`` of ``root`` on ``device``.
+
+    ``aliases`` maps a state key to another one holding the same values (tied
+    embeddings: ``lm_head.weight`` -> ``model.embed_tokens.weight``).
+    """
+    reader = SafetensorsReader(checkpoint_path) if checkpoint_path is not None else None
+    for block_idx, fqn in blocks:
+        module = root.get_submodule(fqn)
+        on_meta = any(t.is_meta for t in _tensors(module))
+        if on_meta:
+            module.to_empty(device=device)
+        else:
+            module.to(device)
+        if dtype is not None:
+            module.to(dtype)
+        if reader is not None:
+            _load_block(module, fqn, reader, aliases)
+        elif on_meta:
+            _init_block(root, module, block_idx, param_init_fn, init_seed, device)
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _load_block(module: nn.Module, fqn: str, reader: SafetensorsReader,
+                aliases: dict[str, str]) -> None:
+    with torch.no_grad():
+        for name, tensor in module.state_dict(prefix=f"{fqn}.", keep_vars=True).items():
+            key = name if name in reader else aliases.get(name, name)
+            if key not in reader:
+                raise RuntimeSetupError(f"checkpoint {reader.path} has no tensor {name!r}; "
+                                        f"it was saved from a different model")
+            value = reader.get(key)
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise RuntimeSetupError(f"checkpoint {reader.path}: {key!r} has shape "
+                                        f"{tuple(value.shape)}, the model expects "
+                                        f"{tuple(tensor.shape)}; it is from a different model")
+            tensor.copy_(value)
+
+
+def _init_block(root: nn.Module, module: nn.Module, block_idx: int,
+                param_init_fn: Callable[[nn.Module], None] | None, init_seed: int,
+                device: torch.device) -> None:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(init_seed + block_idx)
+        if param_init_fn is not None:
+            param_init_fn(module)
+            return
+        hf_init = getattr(root, "_init_weights", None)
+        for sub in module.modules():
+            if hf_init is not None:
+                hf_init(sub)
+            elif hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+    if any(True for _ in module.buffers()) and param_init_fn is None:
+        logger.warning("block %s has buffers that default initialization does not set; "
+                       "pass param_init_fn or checkpoint_path", type(module).__name__)

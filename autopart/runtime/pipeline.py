@@ -1,0 +1,198 @@
+"""``PipelinedModel``: this rank's part of a model, trained by a torch pipeline schedule.
+
+``step`` runs one forward and backward over all microbatches, then makes the
+gradients whole: the tied embedding's gradient is summed between the first and
+last stage, and every gradient over the data-parallel group. Parameters and state
+dicts use the original model's FQNs, so optimizers, grad clipping and checkpoints
+work as for the unpipelined model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.errors import RuntimeSetupError
+from autopart.runtime.groups import Groups, all_reduce_grads
+from autopart.runtime.hf_stage import TokenMeanLoss, count_target_tokens
+from autopart.schema import Plan, StagePlan
+
+__all__ = ["PipelinedModel", "TiedWeight"]
+
+
+@dataclass(slots=True)
+class TiedWeight:
+    """The tied embedding/head weight as held on this rank (only when split over two ranks)."""
+
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    counts_in_norm: bool
+    """True on the rank holding the embedding: the weight is counted once in grad norms."""
+
+
+class PipelinedModel:
+    """This rank's stages of a pipelined model (built by ``auto_pipeline``)."""
+
+    def __init__(self, *, module: nn.Module, stage_modules: list[nn.Module],
+                 stage_plans: list[StagePlan], schedule: Any, plan: Plan, groups: Groups,
+                 device: torch.device, token_loss: TokenMeanLoss | None,
+                 tied: TiedWeight | None, aliases: dict[str, str]) -> None:
+        self.module = module
+        """This rank's blocks under their original FQNs (a pruned model tree)."""
+        self.stage_modules = stage_modules
+        self.stage_plans = stage_plans
+        self.schedule = schedule
+        """The ``torch.distributed.pipelining`` schedule object."""
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.is_first = any(s.index == 0 for s in stage_plans)
+        self.is_last = any(s.index == len(plan.stages) - 1 for s in stage_plans)
+        self._token_loss = token_loss
+        self._tied = tied
+        self._aliases = aliases
+
+    # --- training ------------------------------------------------------------------------------
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None,
+             losses: list | None = None, **kwargs: torch.Tensor | None) -> torch.Tensor | None:
+        """One forward + backward of the whole batch over ``plan.num_microbatches`` microbatches.
+
+        Call it on every rank with the same batch (``input_ids``, ``target=labels`` and
+        ``attention_mask``/``position_ids`` keywords for HF models). Gradients
+        accumulate into ``.grad`` and are then reduced over tied and data-parallel
+        ranks, so call ``optimizer.zero_grad()`` before each step. Returns the batch
+        loss (HF: token mean over the whole batch, all dp replicas; otherwise the mean
+        of the microbatch losses) on ranks holding the last stage, ``None`` elsewhere.
+        ``losses`` receives the per-microbatch losses on the last stage.
+        """
+        if self.is_last and target is None:
+            raise RuntimeSetupError("step() needs target= on the ranks holding the last stage; "
+                                    "pass the labels on every rank")
+        if self._token_loss is not None and self.is_last:
+            self._token_loss.num_tokens = self._count_tokens(target)
+        args = tuple(self._to_device(t) for t in inputs) if self.is_first else ()
+        kw = {k: self._to_device(v) for k, v in kwargs.items() if v is not None}
+        mb_losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=self._to_device(target) if self.is_last else None,
+                           losses=mb_losses, return_outputs=False, **kw)
+        self._sync_grads()
+        if losses is not None:
+            losses.extend(mb_losses)
+        if not self.is_last:
+            return None
+        total = torch.stack([loss.detach().float() for loss in mb_losses]).sum()
+        if self._token_loss is None:
+            total = total / len(mb_losses)
+        if self.groups.dp_group is not None:
+            dist.all_reduce(total, group=self.groups.dp_group)
+            if self._token_loss is None:
+                total = total / self.groups.dp_size
+        return total
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale all gradients so their global 2-norm is at most ``max_norm``; return the norm.
+
+        Squared norms are summed over the pipeline group (the tied weight once);
+        after ``step`` gradients are equal across dp replicas, so the norm is global.
+        """
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in self._norm_params():
+            if p.grad is not None:
+                squares += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=self.groups.pp_group)
+        total = squares.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return total
+
+    def _count_tokens(self, target: torch.Tensor) -> torch.Tensor:
+        num = count_target_tokens(target).to(self.device)
+        if self.groups.dp_group is not None:
+            dist.all_reduce(num, group=self.groups.dp_group)
+        return num.clamp(min=1)
+
+    def _sync_grads(self) -> None:
+        params = list(self.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self._tied is not None:
+            dist.all_reduce(self._tied.param.grad, group=self._tied.group)
+        if self.groups.dp_group is not None:
+            divide = 1 if self._token_loss is not None else self.groups.dp_size
+            all_reduce_grads(params, self.groups.dp_group, divide_by=divide)
+
+    def _norm_params(self) -> list[nn.Parameter]:
+        if self._tied is None or self._tied.counts_in_norm:
+            return list(self.parameters())
+        return [p for p in self.parameters() if p is not self._tied.param]
+
+    def _to_device(self, value: Any) -> Any:
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    # --- parameters and state ------------------------------------------------------------------
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (each once)."""
+        return list(self.module.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters with their FQNs in the original model."""
+        return list(self.module.named_parameters())
+
+    def train(self, mode: bool = True) -> PipelinedModel:
+        """Set training mode on this rank's modules."""
+        self.module.train(mode)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state, keyed by original FQNs."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
+        """Take this rank's entries from ``state_dict`` (e.g. the full model's); return missing keys.
+
+        With ``strict`` a key this rank needs and ``state_dict`` lacks raises
+        ``RuntimeSetupError``; keys of other ranks' blocks are ignored.
+        """
+        picked, missing = {}, []
+        for key in self.module.state_dict():
+            source = key if key in state_dict else self._aliases.get(key)
+            if source is None or source not in state_dict:
+                missing.append(key)
+            else:
+                picked[key] = state_dict[source]
+        if strict and missing:
+            raise RuntimeSetupError(f"state_dict lacks {len(missing)} key(s) this rank needs, "
+                                    f"e.g. {missing[0]!r}; pass the full model's state dict "
+                                    f"or strict=False")
+        self.module.load_state_dict(picked, strict=False)
+        return missing
+
+    def stage_param_counts(self) -> dict[int, int]:
+        """Number of parameters of each stage this rank holds, by stage index."""
+        return {plan.index: sum(p.numel() for p in module.parameters())
+                for plan, module in zip(self.stage_plans, self.stage_modules)}
+
+    def debug_summary(self) -> str:
+        """A few lines: this rank, its stages, their blocks and parameter counts."""
+        head = (f"pp rank {self.groups.pp_rank}/{self.groups.pp_size} (dp size "
+                f"{self.groups.dp_size}), schedule {self.plan.schedule}, "
+                f"{self.plan.num_microbatches} microbatches, device {self.device}")
+        lines = [head]
+        counts = self.stage_param_counts()
+        for plan in self.stage_plans:
+            blocks = f"{plan.modules[0]} .. {plan.modules[-1]}" if len(plan.modules) > 1 \
+                else plan.modules[0]
+            lines.append(f"  stage {plan.index}: {len(plan.modules)} block(s) {blocks}, "
+                         f"{counts[plan.index]:,} params, recompute={plan.recompute}")
+        if self._tied is not None:
+            lines.append("  tied embedding: gradient summed with the other end of the pipeline")
+        return "\n".join(lines)

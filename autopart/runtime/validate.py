@@ -1,0 +1,82 @@
+"""Checks that a plan can run here, done before any collective.
+
+Every failure is a ``RuntimeSetupError`` with one line: what was wrong, the value
+seen, what was expected and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from autopart.errors import PlanError, RuntimeSetupError
+from autopart.intake import BlockChain
+from autopart.schedules import check_schedule, schedule_info, stage_to_rank
+from autopart.schema import Plan
+
+__all__ = ["check_plan"]
+
+
+def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, has_loss_fn: bool,
+               where: str = "the plan") -> None:
+    """Raise ``RuntimeSetupError`` unless ``plan`` fits ``chain`` and a pp group of ``pp_size``."""
+    if plan.pp_size != pp_size:
+        raise RuntimeSetupError(
+            f"{where} is for pp_size {plan.pp_size} but the pipeline group has {pp_size} "
+            f"rank(s); launch {plan.pp_size} pipeline ranks (e.g. torchrun "
+            f"--nproc_per_node={plan.pp_size}) or make a plan with --pp {pp_size}")
+    if plan.profile_fingerprint != chain.fingerprint:
+        raise RuntimeSetupError(
+            f"{where} was made for another model (profile fingerprint "
+            f"{plan.profile_fingerprint}, this model's is {chain.fingerprint}); profile and "
+            f"plan this model again")
+    try:
+        info = schedule_info(plan.schedule)
+        check_schedule(plan.schedule, plan.pp_size, plan.virtual_stages, plan.num_microbatches)
+    except PlanError as exc:
+        raise RuntimeSetupError(f"{where}: {exc}") from None
+    _check_modules(plan, chain, where)
+    for stage in plan.stages:
+        expected = stage_to_rank(stage.index, plan.pp_size, plan.virtual_stages, info.style)
+        if stage.rank != expected:
+            raise RuntimeSetupError(
+                f"{where}: stage {stage.index} is placed on rank {stage.rank} but schedule "
+                f"{plan.schedule} ({info.style} placement) runs it on rank {expected}; "
+                f"regenerate the plan")
+    if chain.family != "hf_causal_lm" and not has_loss_fn:
+        raise RuntimeSetupError(
+            f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
+            f"stage; pass loss_fn=... to auto_pipeline on every rank")
+    if chain.family != "hf_causal_lm" and chain.tied_embeddings:
+        raise RuntimeSetupError(
+            f"two blocks of this {chain.family} model share a parameter; autopart keeps shared "
+            f"weights in sync only for HF tied embeddings; untie them or use one block")
+
+
+def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
+    names = chain.names
+    planned = [m for stage in sorted(plan.stages, key=lambda s: s.index) for m in stage.modules]
+    if planned == names:
+        if any(not stage.modules for stage in plan.stages):
+            raise RuntimeSetupError(f"{where} has an empty stage; regenerate the plan")
+        return
+    unknown = [m for m in planned if m not in names]
+    missing = [m for m in names if m not in planned]
+    if unknown:
+        detail = f"names unknown blocks {unknown[:3]}"
+    elif missing:
+        detail = f"leaves out blocks {missing[:3]}"
+    else:
+        detail = "does not list the blocks once each, in model order"
+    raise RuntimeSetupError(f"{where} {detail} (model blocks: {names[0]} .. {names[-1]}, "
+                            f"{len(names)} in all); make the plan from this model's profile")
+
+
+def recompute_rule(mode: bool | str | None) -> Callable:
+    """Which stages run activation checkpointing: none, the plan's choice, or all."""
+    if mode is None or mode is False:
+        return lambda stage: False
+    if mode == "plan":
+        return lambda stage: stage.recompute
+    if mode is True:
+        return lambda stage: True
+    raise RuntimeSetupError(f"activation_checkpointing={mode!r}; use None, 'plan' or True")

@@ -1,0 +1,103 @@
+"""Helpers for the runtime tests: contiguous plans from block counts, gloo workers, references."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopart.intake import BlockChain
+from autopart.schedules import SCHEDULES, stage_to_rank
+from autopart.schema import Plan, RankPlan, StagePlan
+
+PG_TIMEOUT_S = 90
+
+
+def make_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: int,
+              num_microbatches: int, recompute: tuple[int, ...] = ()) -> Plan:
+    """A plan with contiguous stages of ``counts`` blocks each, ranks from ``stage_to_rank``."""
+    assert sum(counts) == len(chain.blocks), (counts, len(chain.blocks))
+    assert len(counts) % pp_size == 0, (counts, pp_size)
+    virtual = len(counts) // pp_size
+    style = SCHEDULES[schedule].style
+    names, stages, start = chain.names, [], 0
+    for idx, count in enumerate(counts):
+        stages.append(StagePlan(
+            index=idx, rank=stage_to_rank(idx, pp_size, virtual, style),
+            modules=tuple(names[start:start + count]), fwd_ms=1.0, bwd_ms=2.0, param_count=0,
+            first_block_idx=start, last_block_idx=start + count - 1,
+            recompute=idx in recompute))
+        start += count
+    ranks = tuple(RankPlan(rank=r, stages=tuple(s.index for s in stages if s.rank == r),
+                           peak_memory_bytes=0, busy_ms=0.0) for r in range(pp_size))
+    return Plan(profile_fingerprint=chain.fingerprint, pp_size=pp_size, virtual_stages=virtual,
+                schedule=schedule, num_microbatches=num_microbatches,
+                pipeline_cuts=tuple(s.modules[-1] for s in stages[:-1]), stages=tuple(stages),
+                ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
+            args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        result = fn(rank, world_size, *args)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their JSON results."""
+    mp.spawn(_worker, args=(world_size, _free_port(), str(tmp_path), fn, args),
+             nprocs=world_size, join=True)
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def padded_batch(vocab_size: int, batch: int = 8, seq_len: int = 12, seed: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask, labels with right padding, left padding and full rows."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab_size, (batch, seq_len), generator=gen)
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        pad = (row * 3) % (seq_len - 2)
+        if row % 3 == 1:
+            mask[row, seq_len - pad:] = 0
+        elif row % 3 == 2:
+            mask[row, :pad] = 0
+    input_ids = input_ids.masked_fill(mask == 0, 0)
+    labels = input_ids.masked_fill(mask == 0, -100)
+    return input_ids, mask, labels
+
+
+def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
+                   ref_grads: dict[str, torch.Tensor], aliases: dict[str, str] | None = None
+                   ) -> dict[str, float]:
+    """Max |grad - reference grad| per parameter FQN (inf when a gradient is missing)."""
+    aliases = aliases or {}
+    diffs = {}
+    for name, p in named_params:
+        ref = ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
+        if p.grad is None or ref is None:
+            diffs[name] = float("inf")
+        else:
+            diffs[name] = (p.grad.float() - ref.float()).abs().max().item()
+    return diffs
