@@ -22,7 +22,8 @@ from autopart.simulate import (
     simulate,
     write_trace,
 )
-from autopart.simulate.engine import _entry, _run
+from autopart.simulate._plan import _entry
+from autopart.simulate.engine import _run
 
 NO_LATENCY = TrainingSetup(pp_size=1, num_microbatches=1, link_latency_ms=0.0,
                            link_bandwidth_bytes_per_s=1e9)

@@ -12,8 +12,7 @@ action starts when its rank is free and its input has arrived:
   directed link (sender rank -> receiver rank) in the order they are issued. The
   sends of a torch action that the order expands into several parts (a full
   backward ``B W`` in a split schedule, DualPipeV's overlapped ``F B W``) leave when
-  its last part ends, and that action waits until all its parts' inputs arrived,
-  as torch's runtime does.
+  its last part ends, as torch's runtime issues them after the whole action.
 
 Memory per rank (DESIGN.md): static bytes of its stages + the largest transient
 workspace + boundary buffers (one ``input_bytes`` and one ``output_bytes`` per
@@ -28,20 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 from autopart.cost import StageCost, comm_ms
 from autopart.errors import PlanError
-from autopart.schedules import schedule_info, stage_to_rank, stages_of_rank
+from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import TrainingSetup
-from autopart.simulate.orders import _groups, max_in_flight
+from autopart.simulate._plan import KINDS, compiled_plan
+from autopart.simulate.orders import max_in_flight
 
 __all__ = ["SimEvent", "SimResult", "simulate"]
 
-_KINDS = ("F", "B", "W")
-# Dependency codes: (table * num_stages + stage) * m + mb, tables below.
-_ACT, _GRAD, _BDONE = 0, 1, 2
-_NO_DST = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +69,8 @@ class SimResult:
     stage_max_in_flight: tuple[int, ...]
     """Per stage, the most microbatches whose activations it holds at once."""
     events: tuple[SimEvent, ...]
-    """Compute events of every rank in order, then the sends."""
+    """Compute events (each rank's in its run order, ranks interleaved), then the sends;
+    empty when ``simulate`` ran with ``record_events=False``."""
 
 
 def simulate(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
@@ -98,7 +94,7 @@ def simulate(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
             raise PlanError(f"stage {idx} has a negative duration ({sc}); "
                             "check the profile")
     info = schedule_info(schedule)
-    plan = _compiled(schedule, pp_size, virtual_stages, num_microbatches)
+    plan = compiled_plan(schedule, pp_size, virtual_stages, num_microbatches)
     durations = _durations(stage_costs, info.split_backward)
     events: list[tuple] | None = [] if record_events else None
     busy, step_ms = _run(plan, durations, _comm_times(stage_costs, setup), num_stages,
@@ -135,72 +131,6 @@ def _comm_times(stage_costs: Sequence[StageCost], setup: TrainingSetup) -> list[
     return [act, grad]
 
 
-@lru_cache(maxsize=32)
-def _compiled(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
-              ) -> tuple[tuple[tuple, ...], ...]:
-    """Per rank, each action as ``(kind_idx, stage, mb, deps, local_outs, send_code,
-    send_table, dst_rank, flush)`` with integer codes ``table * S * m + stage * m + mb``.
-
-    ``deps`` must be available before the action starts; ``local_outs`` become
-    available when it ends; ``send_code`` (or -1) is sent to ``dst_rank`` when the
-    action's group ends (``flush``). Cached.
-    """
-    style = schedule_info(schedule).style
-    num_stages = pp_size * virtual_stages
-    rank_of = [stage_to_rank(s, pp_size, virtual_stages, style) for s in range(num_stages)]
-    rows = []
-    for rank, groups in enumerate(_groups(schedule, pp_size, virtual_stages,
-                                          num_microbatches)):
-        row = []
-        for grp in groups:
-            parts = [_entry(kind, s, mb, rank, rank_of, num_microbatches)
-                     for kind, s, mb in grp]
-            if len(parts) > 1:
-                parts = _merge_group(parts)
-            row.extend(parts)
-        rows.append(tuple(row))
-    return tuple(rows)
-
-
-def _entry(kind: str, s: int, mb: int, rank: int, rank_of: list[int], m: int) -> tuple:
-    """The compiled form of one action that is alone in its group."""
-    num_stages = len(rank_of)
-    n = num_stages * m
-    idx = s * m + mb
-    local: tuple[int, ...] = ()
-    send, table, dst = -1, _ACT, _NO_DST
-    if kind == "F":
-        deps = (idx - m,) if s > 0 else ()
-        if s == num_stages - 1 or rank_of[s + 1] == rank:
-            local = (idx,)  # the last stage's B waits on its own F; V turnaround is free
-        else:
-            send, dst = idx, rank_of[s + 1]
-        return (0, s, mb, deps, local, send, table, dst, True)
-    if kind == "B":
-        deps = (n + idx + m,) if s + 1 < num_stages else (idx,)
-        local = (2 * n + idx,)
-        if s > 0:
-            if rank_of[s - 1] == rank:
-                local = (2 * n + idx, n + idx)
-            else:
-                send, table, dst = n + idx, _GRAD, rank_of[s - 1]
-        return (1, s, mb, deps, local, send, table, dst, True)
-    assert kind == "W", kind
-    return (2, s, mb, (2 * n + idx,), local, send, table, dst, True)
-
-
-def _merge_group(parts: list[tuple]) -> list[tuple]:
-    """One torch action expanded into parts: the first part waits for every input the
-    group needs from outside, only the last part flushes the group's sends."""
-    made = {c for p in parts for c in p[4]}
-    outside = [d for p in parts for d in p[3] if d not in made]
-    merged = []
-    for pos, p in enumerate(parts):
-        deps = tuple(dict.fromkeys(outside)) if pos == 0 else p[3]
-        merged.append(p[:3] + (deps,) + p[4:8] + (pos == len(parts) - 1,))
-    return merged
-
-
 def _run(plan, durations, comms, num_stages: int, m: int,
          events: list[tuple] | None) -> tuple[list[float], float]:
     """Advance every rank as far as its inputs allow; wake a rank when its input lands.
@@ -233,7 +163,7 @@ def _run(plan, durations, comms, num_stages: int, m: int,
                 t = start + dur
                 work += dur
                 if events is not None:
-                    events.append((rank, s, mb, _KINDS[kind], start, t))
+                    events.append((rank, s, mb, KINDS[kind], start, t))
                 for c in local:
                     avail[c] = t
                     if c in waiting:
@@ -277,7 +207,7 @@ def _assert_finished(plan, pos: list[int], waiting: dict[int, int], num_stages: 
             kind, s, mb = row[pos[rank]][:3]
             missing = [divmod(divmod(c, m)[0], num_stages) + (c % m,)
                        for c, r in waiting.items() if r == rank]
-            stuck[rank] = f"{_KINDS[kind]}{mb} s{s} waits on (table, stage, mb) {missing}"
+            stuck[rank] = f"{KINDS[kind]}{mb} s{s} waits on (table, stage, mb) {missing}"
     assert not stuck, f"schedule deadlocked: {stuck}"
 
 

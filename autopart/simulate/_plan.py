@@ -1,0 +1,80 @@
+"""The engine's form of an order: per rank, tuples of integer codes (cached).
+
+A dependency or output is the code ``(table * num_stages + stage) * m + mb`` where
+the table is ``ACT`` (stage's activation available to stage + 1, or to its own
+``B`` on the last stage), ``GRAD`` (stage's input grad available to stage - 1) or
+``BDONE`` (stage's ``B`` done, for its ``W``). Each action becomes
+``(kind_idx, stage, mb, deps, local_outs, send_code, send_table, dst_rank, flush)``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from autopart.schedules import schedule_info, stage_to_rank
+from autopart.simulate.orders import _groups
+
+KINDS = ("F", "B", "W")
+ACT, GRAD, BDONE = 0, 1, 2
+_NO_DST = -1
+
+
+@lru_cache(maxsize=32)
+def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
+                  num_microbatches: int) -> tuple[tuple[tuple, ...], ...]:
+    """Per rank, each action as ``(kind_idx, stage, mb, deps, local_outs, send_code,
+    send_table, dst_rank, flush)`` with integer codes ``table * S * m + stage * m + mb``.
+
+    ``deps`` must be available before the action starts; ``local_outs`` become
+    available when it ends; ``send_code`` (or -1) is sent to ``dst_rank`` when the
+    action's group ends (``flush``). Cached.
+    """
+    style = schedule_info(schedule).style
+    num_stages = pp_size * virtual_stages
+    rank_of = [stage_to_rank(s, pp_size, virtual_stages, style) for s in range(num_stages)]
+    rows = []
+    for rank, groups in enumerate(_groups(schedule, pp_size, virtual_stages,
+                                          num_microbatches)):
+        row = []
+        for grp in groups:
+            parts = [_entry(kind, s, mb, rank, rank_of, num_microbatches)
+                     for kind, s, mb in grp]
+            if len(parts) > 1:
+                parts = _merge_group(parts)
+            row.extend(parts)
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def _entry(kind: str, s: int, mb: int, rank: int, rank_of: list[int], m: int) -> tuple:
+    """The compiled form of one action that is alone in its group."""
+    num_stages = len(rank_of)
+    n = num_stages * m
+    idx = s * m + mb
+    local: tuple[int, ...] = ()
+    send, table, dst = -1, ACT, _NO_DST
+    if kind == "F":
+        deps = (idx - m,) if s > 0 else ()
+        if s == num_stages - 1 or rank_of[s + 1] == rank:
+            local = (idx,)  # the last stage's B waits on its own F; V turnaround is free
+        else:
+            send, dst = idx, rank_of[s + 1]
+        return (0, s, mb, deps, local, send, table, dst, True)
+    if kind == "B":
+        deps = (n + idx + m,) if s + 1 < num_stages else (idx,)
+        local = (2 * n + idx,)
+        if s > 0:
+            if rank_of[s - 1] == rank:
+                local = (2 * n + idx, n + idx)
+            else:
+                send, table, dst = n + idx, GRAD, rank_of[s - 1]
+        return (1, s, mb, deps, local, send, table, dst, True)
+    assert kind == "W", kind
+    return (2, s, mb, (2 * n + idx,), local, send, table, dst, True)
+
+
+def _merge_group(parts: list[tuple]) -> list[tuple]:
+    """One torch action expanded into parts: each part still waits for its own input
+    (torch's runtime waits per sub-action), but the group's sends leave only when its
+    last part ends (torch issues the SEND actions after the whole action)."""
+    return [p[:8] + (pos == len(parts) - 1,) for pos, p in enumerate(parts)]
