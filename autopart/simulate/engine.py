@@ -33,7 +33,7 @@ from autopart.errors import PlanError
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import TrainingSetup
 from autopart.simulate._plan import KINDS, compiled_plan
-from autopart.simulate.orders import max_in_flight
+from autopart.simulate.orders import max_in_flight, paused_gc
 
 __all__ = ["SimEvent", "SimResult", "simulate"]
 
@@ -93,7 +93,17 @@ def simulate(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
         if min(sc.fwd_ms, sc.bwd_input_ms, sc.bwd_weight_ms) < 0:
             raise PlanError(f"stage {idx} has a negative duration ({sc}); "
                             "check the profile")
+    with paused_gc():
+        return _simulate(stage_costs, schedule, pp_size, virtual_stages, num_microbatches,
+                         setup, record_events)
+
+
+def _simulate(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
+              virtual_stages: int, num_microbatches: int, setup: TrainingSetup,
+              record_events: bool) -> SimResult:
+    """The body of ``simulate`` on validated input (run with the collector paused)."""
     info = schedule_info(schedule)
+    num_stages = pp_size * virtual_stages
     plan = compiled_plan(schedule, pp_size, virtual_stages, num_microbatches)
     durations = _durations(stage_costs, info.split_backward)
     events: list[tuple] | None = [] if record_events else None

@@ -11,6 +11,9 @@ Orders depend only on (schedule, pp, v, m) and are cached.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -76,16 +79,35 @@ def _groups(schedule: str, pp_size: int, virtual_stages: int,
                         f"num_microbatches ({num_microbatches}) must all be >= 1")
     check_schedule(schedule, pp_size, virtual_stages, num_microbatches)
     info = schedule_info(schedule)
-    if schedule == "gpipe":
-        rows = [_gpipe(rank, num_microbatches) for rank in range(pp_size)]
-    elif schedule == "1f1b":
-        rows = [_one_f_one_b(rank, pp_size, num_microbatches) for rank in range(pp_size)]
-    else:
-        rows = torch_groups(info.torch_class, pp_size, virtual_stages, num_microbatches,
-                            info.split_backward)
-    _check_coverage(rows, schedule, pp_size * virtual_stages, num_microbatches,
-                    info.split_backward)
-    return tuple(tuple(row) for row in rows)
+    with paused_gc():
+        if schedule == "gpipe":
+            rows = [_gpipe(rank, num_microbatches) for rank in range(pp_size)]
+        elif schedule == "1f1b":
+            rows = [_one_f_one_b(rank, pp_size, num_microbatches) for rank in range(pp_size)]
+        else:
+            rows = torch_groups(info.torch_class, pp_size, virtual_stages, num_microbatches,
+                                info.split_backward)
+        _check_coverage(rows, schedule, pp_size * virtual_stages, num_microbatches,
+                        info.split_backward)
+        return tuple(tuple(row) for row in rows)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small acyclic tuples.
+
+    With torch imported the heap holds ~350k objects, and a full collection that
+    the allocations trigger costs more than the work itself (measured: 100 ms plans
+    taking 350 ms). Reference counting still frees everything; the collector's
+    previous state is restored.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _gpipe(rank: int, num_microbatches: int) -> list[Group]:
