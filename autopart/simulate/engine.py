@@ -33,7 +33,7 @@ from autopart.errors import PlanError
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import TrainingSetup
 from autopart.simulate._plan import KINDS, compiled_plan
-from autopart.simulate.orders import max_in_flight, paused_gc
+from autopart.simulate.orders import _max_in_flight, paused_gc
 
 __all__ = ["SimEvent", "SimResult", "simulate"]
 
@@ -118,8 +118,8 @@ def _simulate(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
         bubble_fraction=bubble,
         rank_peak_memory_bytes=_peak_memory(stage_costs, plan, info.split_backward,
                                             info.style, pp_size, virtual_stages),
-        stage_max_in_flight=tuple(max_in_flight(schedule, pp_size, virtual_stages,
-                                                num_microbatches)),
+        stage_max_in_flight=_max_in_flight(schedule, pp_size, virtual_stages,
+                                           num_microbatches),
         events=tuple(SimEvent(*e) for e in events) if events else (),
     )
 

@@ -38,13 +38,14 @@ def rank_orders(schedule: str, pp_size: int, virtual_stages: int,
                 num_microbatches: int) -> list[list[Action]]:
     """Compute actions of each rank, in the order the rank runs them.
 
+    The order is cached; the ``Action`` lists are built per call (for loops over
+    many settings, prefer ``max_in_flight`` / ``simulate``, which use the cache).
     Raises ``PlanError`` when torch's class for ``schedule`` rejects the settings.
     """
     return [[Action(*a) for grp in row for a in grp]
             for row in _groups(schedule, pp_size, virtual_stages, num_microbatches)]
 
 
-@lru_cache(maxsize=1024)
 def max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
                   num_microbatches: int) -> list[int]:
     """Per stage: the most microbatches whose activations the stage holds at once.
@@ -52,8 +53,14 @@ def max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
     A microbatch is held from its ``F`` until its releasing backward (``B`` in
     non-split schedules, ``W`` in split ones, since torch keeps the graph until the
     weight grad). Counted from the real action order: 1F1B stage ``s`` holds
-    ``min(pp - s, m)``, GPipe ``m``. Cached; do not mutate the returned list.
+    ``min(pp - s, m)``, GPipe ``m``. Cached (a fresh list each call).
     """
+    return list(_max_in_flight(schedule, pp_size, virtual_stages, num_microbatches))
+
+
+@lru_cache(maxsize=1024)
+def _max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
+                   num_microbatches: int) -> tuple[int, ...]:
     release = "W" if schedule_info(schedule).split_backward else "B"
     num_stages = pp_size * virtual_stages
     held = [0] * num_stages
@@ -67,7 +74,7 @@ def max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
                 elif kind == release:
                     held[stage] -= 1
     assert not any(held), f"unreleased activations {held} in {schedule}"
-    return peak
+    return tuple(peak)
 
 
 @lru_cache(maxsize=16)
