@@ -11,13 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from runtime_helpers import make_plan, max_grad_diffs, padded_batch, run_ranks
+from transformers import LlamaConfig
 
-from autopart.intake import discover_blocks, load_model
+from autopart.intake import discover_blocks, init_rotary, load_model
+from autopart.intake.sources import build_hf_model
 from autopart.runtime import auto_pipeline
 
 pytestmark = pytest.mark.multiprocess
 
 TOL = 1e-5
+ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
 
 # schedule -> (block counts per stage for the 7 blocks of tiny-llama, microbatches), pp = 2
 SCHEDULES_PP2 = {
@@ -31,14 +34,12 @@ SCHEDULES_PP2 = {
 }
 
 
-def reference(source: str, batch: tuple[torch.Tensor, ...], seed: int = 0):
+def reference(source: str | LlamaConfig, batch: tuple[torch.Tensor, ...], seed: int = 0):
     """Real-weight model, its state dict, loss and gradients on the whole batch."""
-    model = load_model(source).model
+    model = _meta_model(source)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
-    model.init_weights() if hasattr(model, "init_weights") else None
-    from autopart.intake import init_rotary
-
+    model.init_weights()  # also re-ties tied embeddings
     init_rotary(model, "cpu")
     input_ids, mask, labels = batch
     out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
@@ -48,36 +49,57 @@ def reference(source: str, batch: tuple[torch.Tensor, ...], seed: int = 0):
     return state, out.loss.item(), grads
 
 
-def _schedules_worker(rank: int, world_size: int, source: str, schedules: dict) -> dict:
-    batch = padded_batch(512, batch=8, seq_len=12)
+def _meta_model(source: str | LlamaConfig) -> torch.nn.Module:
+    if isinstance(source, LlamaConfig):
+        return build_hf_model(source)
+    return load_model(source).model
+
+
+def _run_schedule(pipe, batch, ref_loss: float, ref_grads: dict) -> dict:
+    """One step of ``pipe`` on ``batch``; loss and max grad diff against the reference."""
+    input_ids, mask, labels = batch
+    loss = pipe.step(input_ids, target=labels, attention_mask=mask)
+    diffs = max_grad_diffs(pipe.named_parameters(), ref_grads, ALIASES)
+    return {"loss": None if loss is None else loss.item(), "ref_loss": ref_loss,
+            "max_grad_diff": max(diffs.values()), "params": sorted(diffs),
+            "worst": max(diffs, key=diffs.get)}
+
+
+def _schedules_worker(rank: int, world_size: int, source, schedules: dict) -> dict:
+    batch = padded_batch(_meta_model(source).config.vocab_size, batch=8, seq_len=12)
     state, ref_loss, ref_grads = reference(source, batch)
-    chain = discover_blocks(load_model(source).model)
-    aliases = {"lm_head.weight": "model.embed_tokens.weight"}
+    chain = discover_blocks(_meta_model(source))
     results = {}
     for name, (counts, num_mb) in schedules.items():
         plan = make_plan(chain, counts, schedule=name, pp_size=world_size,
                          num_microbatches=num_mb)
-        pipe = auto_pipeline(source, plan=plan, device="cpu")
+        pipe = auto_pipeline(_meta_model(source), plan=plan, device="cpu")
         pipe.load_state_dict(state)
-        input_ids, mask, labels = batch
-        loss = pipe.step(input_ids, target=labels, attention_mask=mask)
-        diffs = max_grad_diffs(pipe.named_parameters(), ref_grads, aliases)
-        results[name] = {"loss": None if loss is None else loss.item(), "ref_loss": ref_loss,
-                         "max_grad_diff": max(diffs.values()), "num_params": len(diffs),
-                         "worst": max(diffs, key=diffs.get)}
+        results[name] = _run_schedule(pipe, batch, ref_loss, ref_grads)
+        if chain.tied_embeddings:  # the two copies of the tied weight stay equal
+            torch.optim.SGD(pipe.parameters(), lr=1.0).step()
+            tied = dict(pipe.named_parameters())
+            weight = tied.get("model.embed_tokens.weight", tied.get("lm_head.weight"))
+            results[name]["tied_sum"] = None if weight is None else weight.sum().item()
+    results["num_ref_params"] = len(ref_grads)
     return results
 
 
-def _check(results: list[dict], schedules: dict) -> None:
+def _check(results: list[dict], schedules: dict, *, tied: bool = False) -> None:
     for name in schedules:
         losses = [r[name]["loss"] for r in results if r[name]["loss"] is not None]
         assert losses, f"{name}: no rank returned a loss"
         for r in results:
-            got = r[name]
-            assert got["num_params"] > 0, name
-            assert got["max_grad_diff"] < TOL, (name, got)
+            assert r[name]["max_grad_diff"] < TOL, (name, r[name])
         for loss in losses:
             assert abs(loss - results[0][name]["ref_loss"]) < TOL, (name, loss)
+        num_copies = 1
+        if tied:  # two copies when the embedding and the head sit on different ranks
+            sums = [r[name]["tied_sum"] for r in results if r[name]["tied_sum"] is not None]
+            assert len(sums) in (1, 2) and max(sums) - min(sums) < 1e-6, (name, sums)
+            num_copies = len(sums)
+        covered = {p for r in results for p in r[name]["params"]}
+        assert len(covered) == results[0]["num_ref_params"] + num_copies - 1, (name, covered)
 
 
 @pytest.mark.timeout(240)
@@ -85,3 +107,68 @@ def test_every_schedule_matches_unpipelined_llama(tmp_path):
     """tiny-llama on 2 ranks, each schedule: loss and grads equal LlamaForCausalLM's."""
     results = run_ranks(_schedules_worker, 2, tmp_path, "tiny-llama", SCHEDULES_PP2)
     _check(results, SCHEDULES_PP2)
+
+
+def test_padded_batch_changes_the_loss():
+    """The test batch really exercises the mask: dropping it changes the reference loss."""
+    input_ids, mask, labels = padded_batch(512, batch=8, seq_len=12)
+    assert (mask == 0).any(dim=1).sum() >= 4
+    _, with_mask, _ = reference("tiny-llama", (input_ids, mask, labels))
+    _, without_mask, _ = reference("tiny-llama", (input_ids, None, labels))
+    assert abs(with_mask - without_mask) > 1e-3
+
+
+TIED_SCHEDULES = {name: SCHEDULES_PP2[name] for name in ("gpipe", "interleaved-1f1b", "zbv")}
+
+
+@pytest.mark.timeout(240)
+def test_tied_embeddings_match_unpipelined(tmp_path):
+    """tiny-llama-tied: the tied weight's gradient is summed over its two copies (or shared
+    on one rank under V placement); grads equal the reference and the copies stay equal."""
+    results = run_ranks(_schedules_worker, 2, tmp_path, "tiny-llama-tied", TIED_SCHEDULES)
+    _check(results, TIED_SCHEDULES, tied=True)
+
+
+SMALL_LLAMA = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 64}
+# 9 blocks (embedding, 6 layers, norm, head) on 4 ranks
+SCHEDULES_PP4 = {
+    "1f1b": ([3, 2, 2, 2], 4),
+    "interleaved-1f1b": ([2, 1, 1, 1, 1, 1, 1, 1], 4),
+    "zbv": ([1, 1, 1, 1, 1, 1, 1, 2], 8),
+}
+
+
+def _mesh_worker(rank: int, world_size: int, config_kwargs: dict) -> dict:
+    """pp=4 schedules, then a 2-D mesh (pp=2 x dp=2) where each replica takes half the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = LlamaConfig(**config_kwargs)
+    results = _schedules_worker(rank, world_size, config, SCHEDULES_PP4)
+    batch = padded_batch(config.vocab_size, batch=8, seq_len=12)
+    state, ref_loss, ref_grads = reference(config, batch)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    half = tuple(t[dp_rank * 4:(dp_rank + 1) * 4] for t in batch)
+    chain = discover_blocks(_meta_model(config))
+    for name, counts in (("1f1b", [5, 4]), ("interleaved-zb", [3, 2, 2, 2])):
+        plan = make_plan(chain, counts, schedule=name, pp_size=2, num_microbatches=2)
+        pipe = auto_pipeline(_meta_model(config), plan=plan, device="cpu", device_mesh=mesh)
+        pipe.load_state_dict(state)
+        results[f"dp:{name}"] = _run_schedule(pipe, half, ref_loss, ref_grads)
+    return results
+
+
+@pytest.mark.timeout(400)
+def test_four_ranks_and_data_parallel_mesh(tmp_path):
+    """4 gloo ranks: pp=4 (1F1B, interleaved, ZBV) and pp=2 x dp=2 on a DeviceMesh, where
+    grads are all-reduced over dp and the loss is the token mean of the global batch."""
+    results = run_ranks(_mesh_worker, 4, tmp_path, SMALL_LLAMA)
+    _check(results, SCHEDULES_PP4)
+    for name in ("dp:1f1b", "dp:interleaved-zb"):
+        for r in results:
+            assert r[name]["max_grad_diff"] < TOL, (name, r[name])
+            if r[name]["loss"] is not None:
+                assert abs(r[name]["loss"] - r[name]["ref_loss"]) < TOL, (name, r[name])
+        assert sum(r[name]["loss"] is not None for r in results) == 2, name
