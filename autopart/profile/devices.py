@@ -1,0 +1,85 @@
+"""Device specifications for the analytical backend (``profiles/devices.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from autopart.errors import ProfileError
+
+__all__ = ["DeviceSpec", "list_devices", "load_device_spec"]
+
+_REQUIRED = ("name", "peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes",
+             "link_bandwidth_bytes_per_s", "link_latency_ms", "source")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    """Peak figures of one accelerator (one pipeline rank), with where they come from."""
+
+    key: str
+    """Short name used on the command line (``h100``, ``trn2``...)."""
+    name: str
+    """Vendor's full product name."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per dtype name (``float32``, ``bfloat16``, ``float16``)."""
+    memory_bandwidth_bytes_per_s: float
+    memory_bytes: int
+    link_bandwidth_bytes_per_s: float
+    """Point-to-point bandwidth to the next pipeline rank, one direction."""
+    link_latency_ms: float
+    source: str
+    """URL of the vendor datasheet the figures come from."""
+    compute_efficiency: float = 0.6
+    """Fraction of peak FLOP/s reached by real kernels."""
+    memory_efficiency: float = 0.8
+    """Fraction of peak memory bandwidth reached by real kernels."""
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def op_time_s(self, flops: float, num_bytes: float, dtype: str) -> float:
+        """Roofline time of one op: ``max(flops / (peak * eff), bytes / (bandwidth * eff))``."""
+        peak = self.peak_flops[dtype] * self.compute_efficiency
+        bandwidth = self.memory_bandwidth_bytes_per_s * self.memory_efficiency
+        return max(flops / peak, num_bytes / bandwidth)
+
+
+def list_devices() -> list[str]:
+    """Keys of the devices in ``profiles/devices.json``."""
+    return sorted(_read()["devices"])
+
+
+def load_device_spec(name: str) -> DeviceSpec:
+    """The spec of device ``name`` (case-insensitive); ``ProfileError`` if unknown."""
+    data = _read()
+    key = name.strip().lower()
+    devices = data["devices"]
+    if key not in devices:
+        raise ProfileError(f"unknown device {name!r} for the analytical backend; known devices: "
+                           f"{', '.join(sorted(devices))} (e.g. --backend analytical:h100)")
+    entry = devices[key]
+    missing = [k for k in _REQUIRED if k not in entry]
+    if missing:
+        raise ProfileError(f"profiles/devices.json: device {key!r} lacks {missing}; "
+                           f"add them with their datasheet source")
+    defaults = data.get("default_efficiency", {})
+    eff = {**defaults, **entry.get("efficiency", {})}
+    return DeviceSpec(
+        key=key, name=entry["name"],
+        peak_flops={k: float(v) for k, v in entry["peak_flops"].items()},
+        memory_bandwidth_bytes_per_s=float(entry["memory_bandwidth_bytes_per_s"]),
+        memory_bytes=int(entry["memory_bytes"]),
+        link_bandwidth_bytes_per_s=float(entry["link_bandwidth_bytes_per_s"]),
+        link_latency_ms=float(entry["link_latency_ms"]),
+        source=entry["source"],
+        compute_efficiency=float(eff.get("compute", 0.6)),
+        memory_efficiency=float(eff.get("memory", 0.8)),
+        notes=entry.get("notes", ""),
+    )
+
+
+def _read() -> dict[str, Any]:
+    text = (resources.files("autopart._profiles") / "devices.json").read_text()
+    return json.loads(text)
