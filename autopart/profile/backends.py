@@ -1,0 +1,180 @@
+"""Timing and memory backends: ``cpu``, ``cuda`` and ``xla``.
+
+* ``cpu``: ``time.perf_counter`` around each call; memory from saved-tensor hooks
+  and a live-tensor dispatch mode (``autopart.profile.memory``).
+* ``cuda``: CUDA events around each call (GPU time, no host sync inside the region);
+  saved activations from saved-tensor hooks, transient workspace from the caching
+  allocator (``reset_peak_memory_stats`` / ``max_memory_allocated``).
+* ``xla``: ``xm.mark_step()`` + ``xm.wait_device_ops()`` closes each timed region;
+  each block is compiled by its first warm-up run, outside the timed region, and
+  that time is recorded as ``compile_ms``. XLA tensors have no storages, so saved
+  activations and transient workspace are computed from shapes on meta; where
+  ``xm.get_memory_info`` reports ``bytes_used``, the bytes a forward leaves on the
+  device are measured instead (``memory_source`` says which). ``torch_xla`` is
+  imported only when this backend is chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autopart.errors import ProfileError
+
+__all__ = ["Backend", "CPUBackend", "CUDABackend", "XLABackend", "make_backend"]
+
+
+class Backend:
+    """Runs callables on one device and times them."""
+
+    name = "cpu"
+    has_storages = True
+    """Tensors expose storages, so saved-tensor and live-tensor tracking works."""
+    time_source = "measured: time.perf_counter"
+    memory_source = "measured: saved-tensor hooks + live-tensor dispatch mode"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.device_name = _cpu_name()
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """Milliseconds ``fn`` takes on the device, and its result."""
+        start = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - start) * 1e3, out
+
+    def sync(self) -> None:
+        """Wait until the device has finished all queued work."""
+
+    def allocator_peak(self, fn: Callable[[], Any]) -> int | None:
+        """Peak allocated bytes above the start while ``fn`` runs; ``None`` if unknown."""
+        fn()
+        return None
+
+    def bytes_in_use(self) -> int | None:
+        """Device bytes in use now, where the runtime reports it."""
+        return None
+
+
+class CPUBackend(Backend):
+    """Host CPU."""
+
+
+class CUDABackend(Backend):
+    """One CUDA GPU: CUDA events and the caching allocator's statistics."""
+
+    name = "cuda"
+    time_source = "measured: CUDA events"
+    memory_source = "measured: saved-tensor hooks + CUDA allocator peak"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise ProfileError(
+                f"backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
+                f"use --backend cpu, or analytical:h100 to estimate without a GPU")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_name = torch.cuda.get_device_name(self.device)
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """GPU milliseconds between two events recorded around ``fn``."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), out
+
+    def sync(self) -> None:
+        """``torch.cuda.synchronize``."""
+        torch.cuda.synchronize(self.device)
+
+    def allocator_peak(self, fn: Callable[[], Any]) -> int | None:
+        """``max_memory_allocated`` above ``memory_allocated`` at the start."""
+        self.sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        fn()
+        self.sync()
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def bytes_in_use(self) -> int | None:
+        """``torch.cuda.memory_allocated``."""
+        return torch.cuda.memory_allocated(self.device)
+
+
+class XLABackend(Backend):
+    """One XLA device (TPU, Trainium through torch-neuronx, ...)."""
+
+    name = "xla"
+    has_storages = False
+    time_source = "measured: mark_step + wait_device_ops, compilation excluded"
+    memory_source = "computed: shapes on meta"
+
+    def __init__(self) -> None:
+        try:
+            import torch_xla.core.xla_model as xm
+        except ImportError:
+            raise ProfileError("backend 'xla' needs torch_xla, which is not installed; "
+                               "install autopart[xla] (pip install 'autopart[xla]') or use "
+                               "--backend cpu / analytical:trn2") from None
+        self.xm = xm
+        self.device = torch.device(xm.xla_device())
+        hw = getattr(xm, "xla_device_hw", None)
+        self.device_name = f"XLA {hw(self.device) if hw else ''} ({self.device})".strip()
+        if self.bytes_in_use() is not None:
+            self.memory_source = ("measured: xm.get_memory_info bytes_used after forward "
+                                  "(activations); transient computed on meta")
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """Wall milliseconds until the graph traced by ``fn`` has run on the device."""
+        start = time.perf_counter()
+        out = fn()
+        self.sync()
+        return (time.perf_counter() - start) * 1e3, out
+
+    def sync(self) -> None:
+        """Cut the lazy graph, run it, and wait for the device."""
+        self.xm.mark_step()
+        self.xm.wait_device_ops()
+
+    def bytes_in_use(self) -> int | None:
+        """``bytes_used`` of ``xm.get_memory_info`` where this torch_xla reports it."""
+        get_info = getattr(self.xm, "get_memory_info", None)
+        if get_info is None:
+            return None
+        try:
+            info = get_info(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        if "bytes_used" in info:
+            return int(info["bytes_used"])
+        if "kb_total" in info and "kb_free" in info:
+            return int(info["kb_total"] - info["kb_free"]) * 1024
+        return None
+
+
+def make_backend(name: str) -> Backend:
+    """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``)."""
+    backends = {"cpu": CPUBackend, "cuda": CUDABackend, "xla": XLABackend}
+    if name not in backends:
+        raise ProfileError(f"unknown backend {name!r}; expected cpu, cuda, xla or "
+                           f"analytical:<device>")
+    return backends[name]()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"

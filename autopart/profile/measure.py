@@ -1,0 +1,165 @@
+"""Measure one block on a real backend: F, B, W times and memory.
+
+Times (median of ``num_repeats`` after ``num_warmup`` warm-up iterations):
+
+* ``fwd_ms``: the training forward (autograd records the graph).
+* ``bwd_ms``: the full backward from the block output (with a fixed random
+  incoming gradient) or from the loss for the last block: input and weight grads.
+* ``bwd_input_ms`` (B): ``torch.autograd.grad`` with respect to the block input
+  only; autograd then skips every weight-gradient kernel.
+* ``bwd_weight_ms`` (W): ``bwd_ms - bwd_input_ms`` (clamped at 0): what a
+  zero-bubble schedule still has to run after B. Measuring W as the gradient with
+  respect to the parameters alone would recompute the input-gradient chain inside
+  the block and overstate it. Blocks without an input gradient (the embedding) have
+  B = 0 and W = full backward; blocks without trainable weights have W = 0.
+
+Spreads are ``(p75 - p25) / median`` of the repeats. Memory comes from one extra
+forward + backward (see ``memory_pass``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from autopart.profile.backends import Backend
+from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
+from autopart.profile.tasks import BlockTask
+
+__all__ = ["MemoryFigures", "TimeFigures", "incoming_grad", "measure_times", "memory_pass"]
+
+
+@dataclass(frozen=True, slots=True)
+class TimeFigures:
+    """Median times of one block (ms) and their relative spreads."""
+
+    fwd_ms: float
+    bwd_ms: float
+    bwd_input_ms: float
+    bwd_weight_ms: float
+    fwd_ms_spread: float = 0.0
+    bwd_ms_spread: float = 0.0
+    compile_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFigures:
+    """Memory of one block for one microbatch (bytes)."""
+
+    activation_bytes: int
+    output_bytes: int
+    transient_bytes: int
+
+
+def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
+                  num_repeats: int) -> TimeFigures:
+    """Time forward, full backward and input-only backward of ``task`` (module docstring)."""
+    if not (task.input_grad or task.trainable()):
+        return _forward_only_times(task, backend, num_warmup, num_repeats)
+    grad_out = incoming_grad(task)
+    compile_ms = 0.0
+    for i in range(num_warmup):
+        ms = _time_fwd_bwd(task, backend, grad_out)
+        compile_ms = ms if i == 0 and backend.name == "xla" else compile_ms
+    fwd, full, inp = [], [], []
+    for _ in range(num_repeats):
+        task.inputs.grad = None
+        ms, out = backend.time(task.forward)
+        fwd.append(ms)
+        ms, _ = backend.time(lambda: torch.autograd.backward(out, grad_out))  # noqa: B023
+        full.append(ms)
+        del out
+        if task.input_grad:
+            ms, out = backend.time(task.forward)
+            fwd.append(ms)
+            ms, _ = backend.time(
+                lambda: torch.autograd.grad(out, task.inputs, grad_out))  # noqa: B023
+            inp.append(ms)
+            del out
+    task.inputs.grad = None
+    bwd = statistics.median(full)
+    b_ms = min(statistics.median(inp), bwd) if inp else 0.0
+    if not task.trainable():
+        b_ms = bwd if task.input_grad else 0.0
+    return TimeFigures(fwd_ms=statistics.median(fwd), bwd_ms=bwd, bwd_input_ms=b_ms,
+                       bwd_weight_ms=max(bwd - b_ms, 0.0), fwd_ms_spread=_spread(fwd),
+                       bwd_ms_spread=_spread(full), compile_ms=compile_ms)
+
+
+def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigures:
+    """Saved activations, output and transient workspace of one forward + backward.
+
+    With ``backend`` = CUDA, the transient figure is the allocator's peak above the
+    start, less the new saved activations, the output and the input gradient; else
+    (CPU, meta) it is the live-tensor peak less those storages.
+    """
+    grad_out = incoming_grad(task)
+    task.inputs.grad = None
+    exclude = [*task.module.parameters(), *task.module.buffers(), *task.exclude]
+    saved = SavedTensors(exclude)
+    live = LiveTensors()
+    result: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        with saved:
+            result["out"] = task.forward()
+        if task.input_grad or task.trainable():
+            torch.autograd.backward(result["out"], grad_out)
+
+    peak = backend.allocator_peak(step) if backend is not None and backend.name == "cuda" else None
+    if peak is None:
+        with live:
+            step()
+    out = result.pop("out")
+    in_key = storage_key(task.inputs)
+    out_key = storage_key(out)
+    grad_key = storage_key(task.inputs.grad) if task.inputs.grad is not None else None
+    output_bytes = tensor_bytes(out)
+    if peak is None:
+        transient = live.peak_bytes(set(saved.storages) | {out_key, grad_key})
+    else:
+        new_saved = sum(b for k, b in saved.storages.items() if k not in (in_key, out_key))
+        grad_bytes = tensor_bytes(task.inputs.grad) if task.inputs.grad is not None else 0
+        transient = max(peak - new_saved - output_bytes - grad_bytes, 0)
+    task.inputs.grad = None
+    return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=output_bytes,
+                         transient_bytes=transient)
+
+
+def _forward_only_times(task: BlockTask, backend: Backend, num_warmup: int,
+                        num_repeats: int) -> TimeFigures:
+    """A block with nothing to differentiate (frozen weights, integer input): F only."""
+    for _ in range(num_warmup):
+        backend.time(task.forward)
+    fwd = [backend.time(task.forward)[0] for _ in range(num_repeats)]
+    return TimeFigures(fwd_ms=statistics.median(fwd), bwd_ms=0.0, bwd_input_ms=0.0,
+                       bwd_weight_ms=0.0, fwd_ms_spread=_spread(fwd))
+
+
+def incoming_grad(task: BlockTask) -> torch.Tensor | None:
+    """A fixed random gradient for the output (``None`` when the output is the loss)."""
+    if task.loss_output:
+        return None
+    with torch.no_grad():
+        out = task.forward()
+    return torch.randn_like(out) if out.is_floating_point() else None
+
+
+def _time_fwd_bwd(task: BlockTask, backend: Backend, grad_out: torch.Tensor | None) -> float:
+    def step() -> None:
+        out = task.forward()
+        torch.autograd.backward(out, grad_out)
+
+    ms, _ = backend.time(step)
+    task.inputs.grad = None
+    return ms
+
+
+def _spread(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return 0.0
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    median = statistics.median(samples)
+    return (q[2] - q[0]) / median if median > 0 else 0.0
