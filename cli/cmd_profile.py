@@ -1,0 +1,115 @@
+"""``autopart profile MODEL``: measure (or estimate) every block and write the profile JSON.
+
+Example: ``autopart profile tiny-llama --seq-len 256`` writes
+``./tiny-llama.cpu.profile.json`` and shows a per-block table; ``--backend
+analytical:h100`` estimates on meta from ``profiles/devices.json`` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autopart.profile import list_devices, profile_model
+from autopart.schema import Profile
+
+_MIB = 1024 * 1024
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the ``profile`` command."""
+    p = subparsers.add_parser(
+        "profile", help="measure each block's latency and memory",
+        description="Profile every block of MODEL (preset, HF config path or directory, "
+                    "cached hub id, or package.module:factory) for one microbatch of training.")
+    p.add_argument("model", metavar="MODEL", help="e.g. tiny-llama, ./config.json, pkg.mod:fn")
+    p.add_argument("--backend", default="cpu",
+                   help=f"cpu | cuda | xla | analytical:<device> "
+                        f"(devices: {', '.join(list_devices())}); default cpu")
+    p.add_argument("--micro-batch-size", type=int, default=1, metavar="N")
+    p.add_argument("--seq-len", type=int, default=128, metavar="N")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--repeats", type=int, default=10, metavar="N", help="timed repeats per block")
+    p.add_argument("--warmup", type=int, default=3, metavar="N", help="warm-up runs per block")
+    p.add_argument("--layer-class", action="append", default=None, metavar="NAME",
+                   help="class name of the repeated layers (repeatable); overrides discovery")
+    p.add_argument("--out", type=Path, default=None, metavar="PATH",
+                   help="profile JSON to write (default ./<model>.<backend>.profile.json)")
+    p.add_argument("--json", action="store_true", help="print the profile JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, write the JSON, show the summary."""
+    err = Console(stderr=True)
+    with Progress(TextColumn("[bold]profiling[/] {task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                  transient=True, disable=not err.is_terminal) as bar:
+        task_id = bar.add_task(args.model, total=None)
+
+        def progress(done: int, total: int, name: str) -> None:
+            bar.update(task_id, completed=done, total=total, description=name)
+
+        profile = profile_model(
+            args.model, backend=args.backend, micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
+            num_repeats=args.repeats, layer_classes=args.layer_class, progress=progress)
+    out = args.out or Path.cwd() / default_filename(profile)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    if args.json:
+        sys.stdout.write(profile.to_json())
+    else:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)
+        console.print(summary_table(profile))
+    err.print(f"wrote {out}")
+    return 0
+
+
+def default_filename(profile: Profile) -> str:
+    """``<model>.<backend>.profile.json`` with path-unsafe characters replaced."""
+    def clean(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
+
+    return f"{clean(profile.model.name)}.{clean(profile.setup.backend)}.profile.json"
+
+
+def summary_table(profile: Profile) -> Table:
+    """One row per block and a total line."""
+    s = profile.setup
+    table = Table(title=f"{profile.model.name} on {s.backend} ({s.device_name}), {s.dtype}, "
+                        f"mbs {s.micro_batch_size} x seq {s.seq_len}", show_footer=True)
+    blocks = profile.blocks
+    total_params = sum(b.num_params for b in blocks)
+    columns = [
+        ("block", "total"), ("kind", ""),
+        ("fwd ms", f"{sum(b.fwd_ms for b in blocks):.3f}"),
+        ("B ms", f"{sum(b.bwd_input_ms for b in blocks):.3f}"),
+        ("W ms", f"{sum(b.bwd_weight_ms for b in blocks):.3f}"),
+        ("params", _count(total_params)),
+        ("act MiB", f"{sum(b.activation_bytes for b in blocks) / _MIB:.2f}"),
+        ("out MiB", ""), ("source", ""), ("reused from", ""),
+    ]
+    for i, (name, footer) in enumerate(columns):
+        table.add_column(name, footer=footer, justify="right" if 2 <= i <= 7 else "left")
+    for b in blocks:
+        source = "measured" if "fwd_ms" in b.measured else "estimated"
+        table.add_row(b.name, b.kind, f"{b.fwd_ms:.3f}", f"{b.bwd_input_ms:.3f}",
+                      f"{b.bwd_weight_ms:.3f}", _count(b.num_params),
+                      f"{b.activation_bytes / _MIB:.2f}", f"{b.output_bytes / _MIB:.2f}",
+                      source, b.reused_from or "")
+    return table
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)

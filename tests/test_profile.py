@@ -1,0 +1,213 @@
+"""profile_model on cpu: structure, reuse, generic chains, bad input, the model left unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopart.errors import ProfileError
+from autopart.intake import load_model
+from autopart.profile import profile_model
+from autopart.schema import Profile
+
+FAST = {"num_warmup": 1, "num_repeats": 2, "seq_len": 16}
+TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Profile:
+    return profile_model("tiny-llama", **FAST)
+
+
+# --- structure ---------------------------------------------------------------------------------
+
+
+def test_blocks_follow_the_chain(tiny):
+    assert [b.name for b in tiny.blocks] == [
+        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
+        "model.layers.3", "model.norm", "lm_head"]
+    assert [b.kind for b in tiny.blocks] == (["embedding"] + ["decoder_layer"] * 4
+                                            + ["norm", "head"])
+
+
+def test_f_b_w_are_consistent(tiny):
+    for b in tiny.blocks:
+        assert b.fwd_ms > 0 and b.bwd_ms > 0, b
+        assert b.bwd_input_ms >= 0 and b.bwd_weight_ms >= 0
+        assert b.bwd_input_ms + b.bwd_weight_ms == pytest.approx(b.bwd_ms)
+    embed = tiny.blocks[0]
+    assert embed.bwd_input_ms == 0.0 and embed.bwd_weight_ms == embed.bwd_ms
+
+
+def test_exact_sizes(tiny):
+    """Sizes against the tiny-llama config: hidden 64, vocab 512, kv heads 2 of dim 16."""
+    hidden, vocab, inter, kv = 64, 512, 176, 32
+    embed, layer, norm, head = tiny.blocks[0], tiny.blocks[1], tiny.blocks[5], tiny.blocks[6]
+    assert embed.num_params == vocab * hidden and embed.param_bytes == vocab * hidden * 4
+    assert layer.num_params == 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
+    assert norm.num_params == hidden and head.num_params == vocab * hidden
+    assert embed.output_bytes == layer.output_bytes == norm.output_bytes == 16 * hidden * 4
+    assert head.output_bytes == 4  # the float32 loss
+    assert embed.activation_bytes == 16 * 8  # the int64 token ids the embedding backward needs
+    assert tiny.model.num_params == sum(b.num_params for b in tiny.blocks)
+
+
+def test_setup_and_model_info(tiny):
+    s = tiny.setup
+    assert (s.backend, s.dtype, s.micro_batch_size, s.seq_len) == ("cpu", "float32", 1, 16)
+    assert s.torch_version == torch.__version__ and s.transformers_version
+    assert s.num_threads == torch.get_num_threads() and s.num_repeats == 2
+    assert s.time_source.startswith("measured") and s.memory_source.startswith("measured")
+    m = tiny.model
+    assert (m.name, m.family, m.num_layers, m.vocab_size, m.hidden_size) == (
+        "tiny-llama", "llama", 4, 512, 64)
+    for b in tiny.blocks:
+        assert set(TIMES) <= set(b.measured) and "activation_bytes" in b.measured
+
+
+def test_json_round_trip(tiny, tmp_path):
+    path = tmp_path / "p.json"
+    tiny.save(path)
+    assert Profile.load(path) == tiny
+
+
+# --- reuse ---------------------------------------------------------------------------------------
+
+
+def test_identical_layers_are_measured_once(tiny):
+    layers = [b for b in tiny.blocks if b.kind == "decoder_layer"]
+    assert layers[0].reused_from is None
+    assert all(b.reused_from == "model.layers.0" for b in layers[1:])
+    assert all(b.fwd_ms == layers[0].fwd_ms for b in layers)
+    assert tiny.blocks[0].reused_from is None and tiny.blocks[-1].reused_from is None
+
+
+def test_identical_sequential_blocks_are_reused():
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2))
+    profile = profile_model(model, **FAST)
+    assert [b.reused_from for b in profile.blocks] == [None, "0", "0", "0", None]
+
+
+def test_progress_reports_every_block():
+    calls = []
+    profile_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                  progress=lambda *a: calls.append(a), **FAST)
+    assert calls == [(1, 2, "0"), (2, 2, "1")]
+
+
+# --- generic chains ------------------------------------------------------------------------------
+
+
+def test_sequential_starting_with_an_embedding_gets_token_ids():
+    model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    profile = profile_model(model, micro_batch_size=2, **FAST)
+    first = profile.blocks[0]
+    assert first.bwd_input_ms == 0.0 and first.output_bytes == 2 * 16 * 8 * 4
+    assert profile.model.family == "sequential"
+
+
+def test_example_input_hook_is_used():
+    class Net(nn.Sequential):
+        def autopart_example_input(self, micro_batch_size: int, seq_len: int) -> torch.Tensor:
+            return torch.randn(micro_batch_size, 3, 5)
+
+    profile = profile_model(Net(nn.Linear(5, 6), nn.Linear(6, 2)), **FAST)
+    assert profile.blocks[0].output_bytes == 1 * 3 * 6 * 4
+
+
+def test_modulelist_model_runs_straight():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(6, 8)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.out = nn.Linear(8, 1)
+
+    profile = profile_model(Net(), **FAST)
+    assert [b.name for b in profile.blocks] == ["inp", "layers.0", "layers.1", "layers.2", "out"]
+    assert profile.blocks[-1].output_bytes == 4  # the documented loss output.float().pow(2).mean()
+
+
+def test_meta_factory_model_is_materialized_per_block():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    profile = profile_model(model, **FAST)
+    assert all(b.fwd_ms > 0 for b in profile.blocks)
+    assert all(p.is_meta for p in model.parameters())
+
+
+# --- the user's model is left alone --------------------------------------------------------------
+
+
+def test_profiling_does_not_change_the_model():
+    from transformers import AutoModelForCausalLM
+
+    config = load_model("tiny-llama").config
+    model = AutoModelForCausalLM.from_config(config)  # real CPU weights
+    model.eval()
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    profile = profile_model(model, **FAST)
+    assert len(profile.blocks) == 7
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
+    assert not any(m.training for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    # the frozen weight makes layer 1 differ from layer 0: measured on its own
+    assert profile.blocks[2].reused_from is None and profile.blocks[3].reused_from == "model.layers.0"
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"dtype": "float64"}, "unsupported dtype 'float64'"),
+    ({"backend": "tpu"}, "unknown backend 'tpu'"),
+    ({"backend": "analytical"}, "needs a device"),
+    ({"backend": "analytical:nope"}, "unknown device 'nope'.*h100"),
+    ({"micro_batch_size": 0}, "micro_batch_size must be an integer >= 1, got 0"),
+    ({"seq_len": 4096}, "seq_len 4096 exceeds tiny-llama's max_position_embeddings \\(512\\)"),
+    ({"seq_len": 1}, "too short"),
+    ({"num_repeats": 0}, "num_repeats must be an integer >= 1"),
+    ({"num_warmup": -1}, "num_warmup must be an integer >= 0"),
+])
+def test_bad_settings(kwargs, match):
+    with pytest.raises(ProfileError, match=match):
+        profile_model("tiny-llama", **{**FAST, **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu():
+    with pytest.raises(ProfileError, match="needs a CUDA GPU.*analytical:h100"):
+        profile_model("tiny-llama", backend="cuda", **FAST)
+
+
+def test_xla_without_torch_xla():
+    pytest.importorskip("torch", reason="always")
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        with pytest.raises(ProfileError, match=r"install autopart\[xla\]"):
+            profile_model("tiny-llama", backend="xla", **FAST)
+    else:  # pragma: no cover - only where torch_xla is installed
+        pytest.skip("torch_xla is installed")
+
+
+def test_block_failure_is_one_clear_line():
+    """An HF decoder layer forced into a generic chain gets no rotary context and fails."""
+    with pytest.raises(ProfileError, match=r"block model\.layers\.0 \(LlamaDecoderLayer\) failed"):
+        profile_model("tiny-llama", layer_classes=["LlamaDecoderLayer"], **FAST)
+
+
+def test_half_precision_dtypes_run_on_cpu():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    for dtype in ("bfloat16", "float16"):
+        profile = profile_model(model, dtype=dtype, **FAST)
+        assert profile.blocks[0].param_bytes == (8 * 8 + 8) * 2
