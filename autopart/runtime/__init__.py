@@ -7,7 +7,8 @@ directories keyed by the unpipelined model's FQNs.
 """
 
 from autopart.runtime.builder import auto_pipeline
+from autopart.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autopart.runtime.pipeline import PipelinedModel
 
 # Public entry points; everything else in this package is internal.
-__all__ = ["PipelinedModel", "auto_pipeline"]
+__all__ = ["PipelinedModel", "auto_pipeline", "load_checkpoint", "save_checkpoint"]
