@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if not console.is_terminal:
             console = Console(width=160)
         console.print(summary_table(profile))
-    err.print(f"wrote {out}")
+    err.print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
 
 

@@ -79,7 +79,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sink):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        out = _attention_output(q, v)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.sink, ctx.flops = sink, _attention_flops(q, k, v, causal)
@@ -94,6 +94,14 @@ class _FlashAttention(torch.autograd.Function):
         if ctx.sink is not None:
             ctx.sink.add(2.5 * ctx.flops, tensor_bytes((q, k, v, out, lse, grad_out, grads)))
         return (*grads, None, None)
+
+
+def _attention_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output, laid out ``[b, s, h, d]`` in memory like flash kernels write it."""
+    if q.dim() != 4:
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    b, h, s, _ = q.shape
+    return q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
 
 
 class _FlashMode(TorchFunctionMode):

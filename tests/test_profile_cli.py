@@ -1,0 +1,57 @@
+"""``autopart profile``: writes a loadable profile, shows a table, fails with one line."""
+
+from __future__ import annotations
+
+import json
+
+from autopart.schema import Profile
+from cli.cmd_profile import default_filename
+from cli.main import main
+
+FAST = ["--seq-len", "16", "--repeats", "1", "--warmup", "0"]
+
+
+def test_writes_the_default_file_in_the_cwd(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "tiny-llama", *FAST]) == 0
+    profile = Profile.load(tmp_path / "tiny-llama.cpu.profile.json")
+    assert len(profile.blocks) == 7
+    out, err = capsys.readouterr()
+    assert "model.layers.0" in out and "total" in out and "measured" in out
+    assert "tiny-llama.cpu.profile.json" in err
+
+
+def test_json_output_and_explicit_path(tmp_path, capsys):
+    path = tmp_path / "sub" / "p.json"
+    assert main(["profile", "tiny-llama", "--backend", "analytical:h200", "--json",
+                 "--out", str(path), "--seq-len", "32", "--dtype", "bfloat16"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(path.read_text())
+    assert printed["setup"]["backend"] == "analytical:h200"
+    assert printed["setup"]["dtype"] == "bfloat16"
+
+
+def test_user_error_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["profile", "tiny-llama", "--micro-batch-size", "0", "--out",
+                 str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "micro_batch_size must be an integer >= 1, got 0" in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_unknown_model_is_exit_2(capsys):
+    assert main(["profile", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_default_filename_is_path_safe():
+    profile = Profile.from_json(_tiny_json())
+    assert default_filename(profile) == "org-name.analytical-h100.profile.json"
+
+
+def _tiny_json() -> str:
+    from autopart.intake import load_model
+    from autopart.profile import profile_model
+
+    loaded = load_model("tiny-llama", name="org/name")
+    return profile_model(loaded, backend="analytical:h100", seq_len=8).to_json()
