@@ -1,0 +1,58 @@
+"""Slow end-to-end checks of the benchmarks' claims, with looser tolerances for noisy machines.
+
+The benchmarks (``benchmarks/bench_profile_accuracy.py``, ``bench_profile_scaling.py``)
+print the real figures; these tests only guard against regressions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_sum_of_blocks_matches_the_whole_model(one_thread):
+    """Per-block fwd+bwd summed vs. the whole HF model's fwd+loss+bwd on the same input."""
+    bench = _load("bench_profile_accuracy")
+    config = bench.make_config(256, 4, 4096, 128)
+    ratios = []
+    for _ in range(2):
+        whole = bench.time_whole_model(config, 128, 2, 6)
+        blocks = bench.time_blocks(config, 128, 2, 6)
+        ratios.append(blocks / whole)
+    assert 0.7 < statistics.median(ratios) < 1.3, ratios
+
+
+@pytest.mark.slow
+def test_profiling_cost_barely_grows_with_depth(one_thread):
+    """48 layers cost about what 4 layers cost: identical layers are measured once."""
+    bench = _load("bench_profile_scaling")
+    with tempfile.TemporaryDirectory() as tmp:
+        small, large = bench.write_config(Path(tmp), 4, 128), bench.write_config(Path(tmp), 48, 128)
+        bench.time_profile(small, 64, 1)
+        t4, n4 = bench.time_profile(small, 64, 5)
+        t48, n48 = bench.time_profile(large, 64, 5)
+    assert n4 == n48 == 4
+    assert t48 < 2.0 * t4 + 0.2, (t4, t48)
