@@ -69,6 +69,13 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
+    if info.split_backward and any(recompute(s) for s in plan_obj.stages) \
+            and dist.get_rank() == 0:
+        logger.warning("activation checkpointing under %s: torch computes weight gradients "
+                       "(W) in separate autograd passes, each recomputing the checkpointed "
+                       "layers, so recomputed stages run their forward several times per "
+                       "microbatch; prefer 1f1b or interleaved-1f1b with recompute",
+                       plan_obj.schedule)
     hf = chain.family == "hf_causal_lm"
     aliases = {f"{_HEAD}.weight": f"{_EMBED}.weight"} if hf and chain.tied_embeddings else {}
 
