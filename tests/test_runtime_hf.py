@@ -172,3 +172,23 @@ def test_four_ranks_and_data_parallel_mesh(tmp_path):
             if r[name]["loss"] is not None:
                 assert abs(r[name]["loss"] - r[name]["ref_loss"]) < TOL, (name, r[name])
         assert sum(r[name]["loss"] is not None for r in results) == 2, name
+
+
+def _auto_worker(rank: int, world_size: int) -> dict:
+    batch = padded_batch(512, batch=8, seq_len=12)
+    state, ref_loss, ref_grads = reference("tiny-llama", batch)
+    options = {"micro_batch_size": 2, "seq_len": 12, "num_warmup": 1, "num_repeats": 2,
+               "num_microbatches": 4}
+    pipe = auto_pipeline("tiny-llama", plan="auto", device="cpu", plan_options=options)
+    pipe.load_state_dict(state)
+    return _run_schedule(pipe, batch, ref_loss, ref_grads) | {"plan": pipe.plan.to_json()}
+
+
+@pytest.mark.timeout(240)
+def test_auto_plan_is_solved_on_rank0_and_shared(tmp_path):
+    """plan='auto': rank 0 profiles and solves, every rank runs the same plan, grads exact."""
+    results = run_ranks(_auto_worker, 2, tmp_path)
+    assert results[0]["plan"] == results[1]["plan"]
+    assert all(r["max_grad_diff"] < TOL for r in results), results
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert losses and all(abs(loss - results[0]["ref_loss"]) < TOL for loss in losses)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
 from autopart.runtime.tree import prune
-from autopart.runtime.validate import check_plan, recompute_rule
+from autopart.runtime.validate import check_model, check_plan, recompute_rule
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import Plan, StagePlan
 
@@ -44,12 +45,15 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                   activation_checkpointing: bool | str | None = None,
                   checkpoint_path: str | Path | None = None,
                   autocast_dtype: torch.dtype | None = None,
-                  init_seed: int = 0) -> PipelinedModel:
+                  init_seed: int = 0,
+                  plan_options: dict[str, Any] | None = None) -> PipelinedModel:
     """Build this rank's stages of ``model_or_source`` as ``plan`` says.
 
     ``model_or_source``: a model (best on the meta device) or an ``autopart`` model
     source (preset, HF config path, ``pkg.module:factory``). ``plan``: a ``Plan``,
-    a path to plan JSON, or ``"auto"`` (profile and solve on rank 0, broadcast).
+    a path to plan JSON, or ``"auto"`` (profile and solve on rank 0, broadcast;
+    ``plan_options`` go to ``profile_model`` (``micro_batch_size``, ``seq_len``,
+    ``backend``, ...) and ``make_plan`` (``num_microbatches``, ``schedule``, ...)).
     ``loss_fn(output, target)``: required for non-HF models; HF causal LMs default
     to the token-mean next-token loss over the whole batch. ``device_mesh``: a
     DeviceMesh with dims ``("pp", "dp")`` for pipeline x data parallelism, or
@@ -62,10 +66,11 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     groups = resolve_groups(pp_group, device_mesh)
     root = load_model(model_or_source).model
     chain = discover_blocks(root)
-    plan_obj = resolve_plan(plan, model_or_source, root, chain, groups)
-    check_plan(plan_obj, chain, pp_size=groups.pp_size, has_loss_fn=loss_fn is not None)
+    check_model(chain, has_loss_fn=loss_fn is not None)
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
+    plan_obj = resolve_plan(plan, model_or_source, chain, groups, dev.type, plan_options)
+    check_plan(plan_obj, chain, pp_size=groups.pp_size)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]

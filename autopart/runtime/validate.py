@@ -13,11 +13,22 @@ from autopart.intake import BlockChain
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
 
-__all__ = ["check_plan"]
+__all__ = ["check_model", "check_plan", "recompute_rule"]
 
 
-def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, has_loss_fn: bool,
-               where: str = "the plan") -> None:
+def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
+    """Raise ``RuntimeSetupError`` for models the runtime cannot train as given."""
+    if chain.family != "hf_causal_lm" and not has_loss_fn:
+        raise RuntimeSetupError(
+            f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
+            f"stage; pass loss_fn=... to auto_pipeline on every rank")
+    if chain.family != "hf_causal_lm" and chain.tied_embeddings:
+        raise RuntimeSetupError(
+            f"two blocks of this {chain.family} model share a parameter; autopart keeps shared "
+            f"weights in sync only for HF tied embeddings; untie them or use one block")
+
+
+def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, where: str = "the plan") -> None:
     """Raise ``RuntimeSetupError`` unless ``plan`` fits ``chain`` and a pp group of ``pp_size``."""
     if plan.pp_size != pp_size:
         raise RuntimeSetupError(
@@ -42,14 +53,6 @@ def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, has_loss_fn: bool
                 f"{where}: stage {stage.index} is placed on rank {stage.rank} but schedule "
                 f"{plan.schedule} ({info.style} placement) runs it on rank {expected}; "
                 f"regenerate the plan")
-    if chain.family != "hf_causal_lm" and not has_loss_fn:
-        raise RuntimeSetupError(
-            f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
-            f"stage; pass loss_fn=... to auto_pipeline on every rank")
-    if chain.family != "hf_causal_lm" and chain.tied_embeddings:
-        raise RuntimeSetupError(
-            f"two blocks of this {chain.family} model share a parameter; autopart keeps shared "
-            f"weights in sync only for HF tied embeddings; untie them or use one block")
 
 
 def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
