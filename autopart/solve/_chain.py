@@ -1,0 +1,187 @@
+"""The solvers' view of a block chain: O(1) stage time and memory, vectorized windows.
+
+A stage is the half-open block range ``[i, j)`` (blocks ``i .. j - 1``); positions
+run ``0 .. n``. ``r`` is 1 when the stage recomputes its forward (activation
+checkpointing), else 0. Every solver (DP, ILP, brute force in the tests) uses the
+definitions below, so their answers are comparable:
+
+    time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of blocks i..j-1  + comm(j)
+    comm(j)            = autopart.cost.comm_ms(output_bytes[j - 1])  for 0 < j < n, else 0
+    memory(i, j, r, k) = static(i..j-1) + k * act_r(i..j-1) + transient_r(i..j-1) + buffers(i, j)
+
+``k`` is the stage's in-flight microbatch count (``autopart.simulate.max_in_flight``).
+``act_0`` sums the blocks' ``activation_bytes``; ``act_1`` sums the blocks' inputs
+(what checkpointing keeps); ``transient_0`` is the largest block workspace and
+``transient_1`` adds the largest block activation (rebuilt during backward), as in
+``autopart.cost.stage_cost``. ``buffers(i, j) = 2 * max(output_bytes[b])`` over
+``b in [i - 1, j - 1]`` (the head's output excluded): one receive and one send
+buffer, each bounded by the largest tensor that enters, crosses or leaves the stage.
+It is an upper bound on input_bytes + output_bytes chosen because it keeps
+feasibility closed under shrinking a stage, which the exact DP relies on.
+
+For a fixed end ``j`` both time and memory are non-increasing in ``i`` (fewer blocks,
+same boundary), so the feasible starts form a window ``[lo(j), j - 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopart.cost import BlockArrays, comm_ms
+from autopart.schema import TrainingSetup
+
+_REL_TOL = 1e-9
+"""Stage times within this relative tolerance of a bound count as meeting it."""
+
+
+def _range_table(values: np.ndarray, op: np.ufunc, max_span: int | None = None) -> np.ndarray:
+    """Sparse table: row ``k`` holds ``op`` over ``values[x : x + 2**k]`` (padded).
+
+    Queries may span at most ``max_span`` values (default: all of them).
+    """
+    num = len(values)
+    num_levels = max(1, int(num if max_span is None else max_span).bit_length())
+    fill = -np.inf if op is np.maximum else np.inf
+    table = np.full((num_levels, num), fill, dtype=np.float64)
+    table[0] = values
+    for level in range(1, num_levels):
+        half = 1 << (level - 1)
+        table[level, : num - half] = op(table[level - 1, : num - half],
+                                        table[level - 1, half:])
+    return table
+
+
+_FLOOR_LOG2 = np.zeros(1, dtype=np.int64)
+
+
+def range_query(table: np.ndarray, op: np.ufunc, start: np.ndarray, stop: np.ndarray
+                ) -> np.ndarray:
+    """``op`` over ``values[start:stop]`` for each pair (requires ``start < stop``)."""
+    global _FLOOR_LOG2
+    length = stop - start
+    if len(_FLOOR_LOG2) <= table.shape[1]:
+        lengths = np.arange(2 * table.shape[1] + 2)
+        _FLOOR_LOG2 = np.zeros(len(lengths), dtype=np.int64)
+        _FLOOR_LOG2[1:] = np.floor(np.log2(lengths[1:])).astype(np.int64)
+    level = _FLOOR_LOG2[length]
+    return op(table[level, start], table[level, stop - (1 << level)])
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """Prefix sums and range tables of a block chain under a training setup."""
+
+    num_blocks: int
+    time_prefix: tuple[np.ndarray, np.ndarray]
+    """``Q_r``: prefix of F+B+W (+F when r = 1); length n + 1."""
+    fwd_prefix: np.ndarray
+    comm_at: np.ndarray
+    """``comm(j)`` for j in 0..n."""
+    static_prefix: np.ndarray
+    act_prefix: tuple[np.ndarray, np.ndarray]
+    transient_table: tuple[np.ndarray, np.ndarray]
+    """Range-max tables of transient_0 parts: (block workspace, block activation)."""
+    out_table: np.ndarray
+    """Range-max table of cut-crossing output bytes (head output zeroed)."""
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def total_time_ms(self) -> float:
+        """F+B+W of every block: the constant part of ``sum_s time``."""
+        return float(self.time_prefix[0][-1])
+
+    def stage_time(self, i: int, j: int, r: int) -> float:
+        """``time(i, j, r)`` as defined in the module docstring."""
+        q = self.time_prefix[r]
+        return float(q[j] - q[i] + self.comm_at[j])
+
+    def stage_memory(self, i: int, j: int, r: int, in_flight: int) -> int:
+        """``memory(i, j, r, k)`` as defined in the module docstring."""
+        mem = self.memory_window(np.array([i]), np.array([j]), r, in_flight)
+        return int(mem[0])
+
+    def memory_window(self, i: np.ndarray, j: np.ndarray, r: int, in_flight: int
+                      ) -> np.ndarray:
+        """Vectorized ``memory`` for pairs ``i < j``."""
+        static = self.static_prefix[j] - self.static_prefix[i]
+        act = self.act_prefix[r][j] - self.act_prefix[r][i]
+        work, act_max = self.transient_table
+        transient = range_query(work, np.maximum, i, j)
+        if r:
+            transient = transient + range_query(act_max, np.maximum, i, j)
+        buffers = 2 * range_query(self.out_table, np.maximum, np.maximum(i - 1, 0), j)
+        return static + in_flight * act + transient.astype(np.int64) + buffers.astype(np.int64)
+
+    def lo_memory(self, r: int, in_flight: int, limit_bytes: float | None) -> np.ndarray:
+        """For each end j (0..n) the smallest start i whose stage fits; ``j`` if none."""
+        key = (r, in_flight, limit_bytes)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        n = self.num_blocks
+        ends = np.arange(n + 1)
+        lo = np.zeros(n + 1, dtype=np.int64)
+        if limit_bytes is not None:
+            hi = ends.copy()
+            for _ in range(int(n + 1).bit_length()):
+                active = lo < hi
+                if not active.any():
+                    break
+                mid = (lo + hi) // 2
+                fits = np.ones(n + 1, dtype=bool)
+                fits[active] = self.memory_window(mid[active], ends[active], r,
+                                                  in_flight) <= limit_bytes
+                hi = np.where(active & fits, mid, hi)
+                lo = np.where(active & ~fits, mid + 1, lo)
+        lo[0] = 0
+        self.cache[key] = lo
+        return lo
+
+    def lo_time(self, r: int, bound_ms: float) -> np.ndarray:
+        """For each end j the smallest start i with ``time(i, j, r) <= bound_ms``."""
+        q = self.time_prefix[r]
+        bound = bound_ms + _REL_TOL * max(1.0, abs(bound_ms))
+        lo = np.searchsorted(q, q + self.comm_at - bound, side="left")
+        return np.minimum(lo, np.arange(self.num_blocks + 1))
+
+    def all_stage_times(self, recompute: bool) -> np.ndarray:
+        """Every distinct stage time (both r when ``recompute``), sorted."""
+        n = self.num_blocks
+        starts, ends = np.triu_indices(n + 1, k=1)
+        values = [self.time_prefix[0][ends] - self.time_prefix[0][starts] + self.comm_at[ends]]
+        if recompute:
+            q = self.time_prefix[1]
+            values.append(q[ends] - q[starts] + self.comm_at[ends])
+        times = np.unique(np.concatenate(values))
+        # Merge values that differ only by rounding (the bounds honour _REL_TOL anyway).
+        keep = np.ones(len(times), dtype=bool)
+        keep[1:] = np.diff(times) > _REL_TOL * np.maximum(1.0, np.abs(times[1:]))
+        return times[keep]
+
+
+def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
+    """The solvers' chain of ``arrays`` (from ``autopart.cost.block_arrays``) under ``setup``."""
+    n = arrays.num_blocks
+    step = arrays.fwd_ms + arrays.bwd_input_ms + arrays.bwd_weight_ms
+    q0 = np.concatenate([[0.0], np.cumsum(step)])
+    q1 = np.concatenate([[0.0], np.cumsum(step + arrays.fwd_ms)])
+    comm = np.zeros(n + 1)
+    for j in range(1, n):
+        comm[j] = comm_ms(int(arrays.output_bytes[j - 1]), setup)
+    cut_out = arrays.output_bytes.astype(np.float64).copy()
+    cut_out[-1] = 0.0
+    return Chain(
+        num_blocks=n,
+        time_prefix=(q0, q1),
+        fwd_prefix=arrays.prefix_fwd.astype(np.float64),
+        comm_at=comm,
+        static_prefix=arrays.prefix_static.astype(np.int64),
+        act_prefix=(arrays.prefix_activation.astype(np.int64),
+                    arrays.prefix_input_of_block.astype(np.int64)),
+        transient_table=(_range_table(arrays.transient_bytes.astype(np.float64), np.maximum),
+                         _range_table(arrays.activation_bytes.astype(np.float64),
+                                      np.maximum)),
+        out_table=_range_table(cut_out, np.maximum),
+    )

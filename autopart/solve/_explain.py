@@ -1,0 +1,100 @@
+"""Human-readable reasons in a plan (``notes``) and the message when nothing fits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopart.errors import InfeasibleError
+from autopart.schedules import schedule_info, stage_to_rank
+from autopart.schema import Profile
+from autopart.simulate import max_in_flight
+from autopart.solve.assemble import Evaluated
+from autopart.solve.dp import min_fitting_limit
+
+_GIB = float(1 << 30)
+_MAX_CONFIGS_FOR_MESSAGE = 16
+
+
+def _rank_of(ev: Evaluated, stage_idx: int) -> int:
+    style = schedule_info(ev.schedule).style
+    return stage_to_rank(stage_idx, ev.pp_size, ev.virtual_stages, style)
+
+
+def _units_per_rank(profile: Profile, ev: Evaluated) -> tuple[list[int], str]:
+    """Decoder layers (or blocks, for non-HF chains) each rank holds."""
+    has_layers = any(b.kind == "decoder_layer" for b in profile.blocks)
+    counts = [0] * ev.pp_size
+    for s, (i, j) in enumerate(ev.bounds):
+        blocks = profile.blocks[i:j]
+        counts[_rank_of(ev, s)] += sum(1 for b in blocks
+                                       if not has_layers or b.kind == "decoder_layer")
+    return counts, "layers" if has_layers else "blocks"
+
+
+def _rank_in_flight(ev: Evaluated) -> list[int]:
+    in_flight = max_in_flight(ev.schedule, ev.pp_size, ev.virtual_stages, ev.num_microbatches)
+    out = [0] * ev.pp_size
+    for s, k in enumerate(in_flight):
+        out[_rank_of(ev, s)] = max(out[_rank_of(ev, s)], k)
+    return out
+
+
+def _microbatches(count: int) -> str:
+    return f"{count} microbatch" + ("" if count == 1 else "es")
+
+
+def notes(profile: Profile, best: Evaluated, baselines: dict[str, Evaluated],
+          memory_limit_bytes: int | None, *, default_m: bool, rescaled: bool) -> list[str]:
+    """Why the plan looks the way it does, one sentence each."""
+    out = []
+    if default_m:
+        out.append(f"num_microbatches defaulted to 4 * pp = {best.num_microbatches}; pass "
+                   "--microbatches or --global-batch-size to choose")
+    if rescaled:
+        out.append(f"per-microbatch costs rescaled linearly from the profiled micro batch "
+                   f"size {profile.setup.micro_batch_size} for m = {best.num_microbatches}")
+    even = baselines.get("even")
+    if memory_limit_bytes is not None and even is not None and not even.fits:
+        plan_units, word = _units_per_rank(profile, best)
+        even_units, _ = _units_per_rank(profile, even)
+        held = _rank_in_flight(best)
+        low = min(range(best.pp_size), key=lambda r: (held[r], -r))
+        for rank, peak in enumerate(even.result.rank_peak_memory_bytes):
+            if peak <= memory_limit_bytes or plan_units[rank] >= even_units[rank]:
+                continue
+            why = (f"rank {rank} holds {_microbatches(held[rank])} of activations under "
+                   f"{best.schedule} (rank {low} holds {held[low]})" if held[rank] > held[low]
+                   else f"rank {rank}'s blocks keep large activations")
+            out.append(f"{why}: it gets {plan_units[rank]} {word}, not {even_units[rank]} "
+                       f"(the even split needs {peak / _GIB:.2f} GiB there, over the "
+                       f"{memory_limit_bytes / _GIB:.2f} GiB limit)")
+    recomputed = [s for s, r in enumerate(best.recompute) if r]
+    if recomputed:
+        out.append(f"stages {recomputed} recompute their forward (activation checkpointing): "
+                   "without it they do not fit the memory limit")
+    return out
+
+
+def infeasible(settings: dict, configs: Sequence[tuple[str, int, int]],
+               found: Sequence[tuple[Evaluated, Any]], pp_size: int, limit: int | None,
+               partition: str, allow_recompute: bool) -> InfeasibleError:
+    """The error to raise when no candidate fits: it names the memory that would fit."""
+    need, where = None, ""
+    for name, num_virtual, m in list(configs)[:_MAX_CONFIGS_FOR_MESSAGE]:
+        in_flight = max_in_flight(name, pp_size, num_virtual, m)
+        value = min_fitting_limit(settings[m].chain, in_flight=in_flight,
+                                  num_virtual=num_virtual, allow_recompute=allow_recompute)
+        if need is None or value < need:
+            need, where = value, f"{name}, v={num_virtual}, m={m}"
+    limit_text = "no limit" if limit is None else f"{limit} bytes ({limit / _GIB:.2f} GiB)"
+    message = (f"no plan fits the per-device memory limit of {limit_text} with pp_size="
+               f"{pp_size}; the smallest limit that fits is {need} bytes "
+               f"({need / _GIB:.2f} GiB, {where}, optimal partition)")
+    if partition != "optimal":
+        peaks = [ev.peak_memory_bytes for ev, _ in found]
+        if peaks:
+            message += (f"; the {partition} split needs {min(peaks)} bytes "
+                        f"({min(peaks) / _GIB:.2f} GiB): try --partition optimal")
+    message += "; raise the memory limit, raise --pp or lower the micro batch size"
+    return InfeasibleError(message)

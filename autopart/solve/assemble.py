@@ -1,0 +1,84 @@
+"""Turn a split (stage block ranges + recompute flags) into a simulated ``Plan``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopart.cost import BlockArrays, StageCost, stage_cost
+from autopart.schedules import schedule_info, stage_to_rank
+from autopart.schema import Plan, Profile, RankPlan, StagePlan, TrainingSetup
+from autopart.simulate import SimResult, simulate
+
+__all__ = ["Evaluated", "evaluate_split", "plan_from_split"]
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    """A split under one schedule, simulated."""
+
+    schedule: str
+    pp_size: int
+    virtual_stages: int
+    num_microbatches: int
+    bounds: tuple[tuple[int, int], ...]
+    recompute: tuple[bool, ...]
+    stage_costs: tuple[StageCost, ...]
+    result: SimResult
+    fits: bool
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Largest simulated rank peak."""
+        return max(self.result.rank_peak_memory_bytes)
+
+
+def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, *, schedule: str, pp_size: int,
+                   virtual_stages: int, num_microbatches: int,
+                   bounds: Sequence[tuple[int, int]], recompute: Sequence[bool] | None = None
+                   ) -> Evaluated:
+    """Simulate the split ``bounds`` (half-open block ranges) under ``schedule``."""
+    flags = tuple(recompute) if recompute is not None else (False,) * len(bounds)
+    costs = tuple(stage_cost(arrays, i, j - 1, r) for (i, j), r in zip(bounds, flags))
+    result = simulate(costs, schedule=schedule, pp_size=pp_size, virtual_stages=virtual_stages,
+                      num_microbatches=num_microbatches, setup=setup, record_events=False)
+    limit = setup.memory_limit_bytes
+    fits = limit is None or max(result.rank_peak_memory_bytes) <= limit
+    return Evaluated(schedule, pp_size, virtual_stages, num_microbatches, tuple(bounds), flags,
+                     costs, result, fits)
+
+
+def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
+                    partition: str, solver: dict, baselines: dict, notes: Sequence[str]
+                    ) -> Plan:
+    """Fill a ``Plan`` (schema.py) from a simulated split."""
+    style = schedule_info(best.schedule).style
+    blocks = profile.blocks
+    stages = []
+    for s, ((i, j), cost) in enumerate(zip(best.bounds, best.stage_costs)):
+        stages.append(StagePlan(
+            index=s, rank=stage_to_rank(s, best.pp_size, best.virtual_stages, style),
+            modules=tuple(b.name for b in blocks[i:j]), fwd_ms=cost.fwd_ms,
+            bwd_ms=cost.bwd_ms, param_count=cost.param_count, first_block_idx=i,
+            last_block_idx=j - 1, bwd_input_ms=cost.bwd_input_ms,
+            bwd_weight_ms=cost.bwd_weight_ms, recompute=cost.recompute,
+            activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes))
+    result = best.result
+    ranks = tuple(
+        RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),
+                 peak_memory_bytes=int(result.rank_peak_memory_bytes[r]),
+                 busy_ms=result.rank_busy_ms[r], idle_ms=result.rank_idle_ms[r],
+                 memory_limit_bytes=setup.memory_limit_bytes)
+        for r in range(best.pp_size))
+    setup_used = dataclasses.replace(setup, pp_size=best.pp_size,
+                                     num_microbatches=best.num_microbatches)
+    return Plan(
+        profile_fingerprint=profile.model.fingerprint, pp_size=best.pp_size,
+        virtual_stages=best.virtual_stages, schedule=best.schedule,
+        num_microbatches=best.num_microbatches,
+        pipeline_cuts=tuple(blocks[j - 1].name for _, j in best.bounds[:-1]),
+        stages=tuple(stages), ranks=ranks, predicted_step_ms=result.step_ms,
+        bubble_fraction=result.bubble_fraction, baselines=baselines,
+        model_name=profile.model.name, partition=partition,
+        setup=dataclasses.asdict(setup_used), solver=solver, notes=tuple(notes))
