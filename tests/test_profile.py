@@ -211,3 +211,11 @@ def test_half_precision_dtypes_run_on_cpu():
     for dtype in ("bfloat16", "float16"):
         profile = profile_model(model, dtype=dtype, **FAST)
         assert profile.blocks[0].param_bytes == (8 * 8 + 8) * 2
+
+
+def test_tied_head_counts_its_weight_but_the_model_counts_it_once():
+    profile = profile_model("tiny-llama-tied", **FAST)
+    assert profile.model.tied_embeddings
+    embed, head = profile.blocks[0], profile.blocks[-1]
+    assert embed.num_params == head.num_params == 512 * 64  # each stage holds its own copy
+    assert profile.model.num_params == sum(b.num_params for b in profile.blocks) - 512 * 64

@@ -1,7 +1,29 @@
-"""Profile: per-block latency and memory on a backend (cpu, cuda, xla) or estimated
-(``analytical:<device>``), one materialized block at a time."""
+"""Profile: per-block latency and memory for one microbatch of training.
+
+``profile_model(source, backend=...)`` returns a ``Profile``. What each backend
+measures (listed per block in ``BlockProfile.measured``) and what it estimates:
+
+============  ==========================================  ===============================
+backend       times (fwd, bwd, B, W)                       memory (activation, output,
+                                                           transient)
+============  ==========================================  ===============================
+cpu           measured, ``time.perf_counter``              measured: saved-tensor hooks,
+                                                           live-tensor dispatch mode
+cuda          measured, CUDA events                        activations: saved-tensor hooks;
+                                                           transient: allocator peak
+xla           measured, ``mark_step`` + ``wait_device_ops``  computed on meta (activations
+              (compilation excluded, in ``compile_ms``)     from ``xm.get_memory_info``
+                                                           where it reports bytes in use)
+analytical:D  estimated: roofline per op with the spec     computed on meta
+              of device D (``profiles/devices.json``)
+============  ==========================================  ===============================
+
+W is always ``bwd_ms - bwd_input_ms`` (see ``autopart.profile.measure``); attention
+on meta is counted as flash attention (see ``autopart.profile.analytical``).
+"""
 
 from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec
 from autopart.profile.profiler import profile_model
 
+# Public entry points of the profile phase.
 __all__ = ["DeviceSpec", "list_devices", "load_device_spec", "profile_model"]

@@ -20,6 +20,7 @@ forward + backward (see ``memory_pass``).
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,23 +62,17 @@ def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
     grad_out = incoming_grad(task)
     compile_ms = 0.0
     for i in range(num_warmup):
-        ms = _time_fwd_bwd(task, backend, grad_out)
-        compile_ms = ms if i == 0 and backend.name == "xla" else compile_ms
+        # warm-up runs the very graphs the timed rounds run, so XLA compiles them all here
+        start = time.perf_counter()
+        _timed_round(task, backend, grad_out)
+        if i == 0 and backend.name == "xla":
+            compile_ms = (time.perf_counter() - start) * 1e3
     fwd, full, inp = [], [], []
     for _ in range(num_repeats):
-        task.inputs.grad = None
-        ms, out = backend.time(task.forward)
-        fwd.append(ms)
-        ms, _ = backend.time(lambda: torch.autograd.backward(out, grad_out))  # noqa: B023
-        full.append(ms)
-        del out
-        if task.input_grad:
-            ms, out = backend.time(task.forward)
-            fwd.append(ms)
-            ms, _ = backend.time(
-                lambda: torch.autograd.grad(out, task.inputs, grad_out))  # noqa: B023
-            inp.append(ms)
-            del out
+        round_fwd, round_full, round_inp = _timed_round(task, backend, grad_out)
+        fwd += round_fwd
+        full.append(round_full)
+        inp += round_inp
     task.inputs.grad = None
     bwd = statistics.median(full)
     b_ms = min(statistics.median(inp), bwd) if inp else 0.0
@@ -147,14 +142,19 @@ def incoming_grad(task: BlockTask) -> torch.Tensor | None:
     return torch.randn_like(out) if out.is_floating_point() else None
 
 
-def _time_fwd_bwd(task: BlockTask, backend: Backend, grad_out: torch.Tensor | None) -> float:
-    def step() -> None:
-        out = task.forward()
-        torch.autograd.backward(out, grad_out)
-
-    ms, _ = backend.time(step)
+def _timed_round(task: BlockTask, backend: Backend,
+                 grad_out: torch.Tensor | None) -> tuple[list[float], float, list[float]]:
+    """One round: F + full backward, then (with an input grad) F + B; returns the ms."""
     task.inputs.grad = None
-    return ms
+    fwd_ms, out = backend.time(task.forward)
+    full_ms, _ = backend.time(lambda: torch.autograd.backward(out, grad_out))
+    del out
+    task.inputs.grad = None
+    if not task.input_grad:
+        return [fwd_ms], full_ms, []
+    fwd2_ms, out = backend.time(task.forward)
+    b_ms, _ = backend.time(lambda: torch.autograd.grad(out, task.inputs, grad_out))
+    return [fwd_ms, fwd2_ms], full_ms, [b_ms]
 
 
 def _spread(samples: list[float]) -> float:

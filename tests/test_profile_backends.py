@@ -1,0 +1,51 @@
+"""The xla backend's control flow, run against a stand-in ``torch_xla`` that executes on CPU.
+
+The stand-in has no ``get_memory_info``, so memory must come from the meta
+computation; the figures are compared with the analytical backend's.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from autopart.profile import profile_model
+
+
+@pytest.fixture()
+def fake_xla(monkeypatch):
+    calls = {"mark_step": 0}
+    xm = types.ModuleType("torch_xla.core.xla_model")
+    xm.xla_device = lambda: torch.device("cpu")
+    xm.mark_step = lambda: calls.__setitem__("mark_step", calls["mark_step"] + 1)
+    xm.wait_device_ops = lambda: None
+    for name, module in (("torch_xla", types.ModuleType("torch_xla")),
+                         ("torch_xla.core", types.ModuleType("torch_xla.core")),
+                         ("torch_xla.core.xla_model", xm)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["torch_xla"].core = sys.modules["torch_xla.core"]
+    sys.modules["torch_xla.core"].xla_model = xm
+    return calls
+
+
+def test_xla_backend_syncs_compiles_outside_timing_and_computes_memory(fake_xla):
+    xla = profile_model("tiny-llama", backend="xla", seq_len=16, num_warmup=1, num_repeats=2)
+    meta = profile_model("tiny-llama", backend="analytical:h100", seq_len=16)
+    assert fake_xla["mark_step"] > 0
+    assert xla.setup.memory_source.startswith("computed")
+    assert xla.setup.time_source.startswith("measured: mark_step")
+    for x, m in zip(xla.blocks, meta.blocks, strict=True):
+        assert x.compile_ms > 0 or x.reused_from
+        assert x.activation_bytes == m.activation_bytes
+        assert x.output_bytes == m.output_bytes
+        assert "fwd_ms" in x.measured and "activation_bytes" not in x.measured
+
+
+def test_xla_needs_a_warmup_run(fake_xla):
+    from autopart.errors import ProfileError
+
+    with pytest.raises(ProfileError, match="num_warmup >= 1"):
+        profile_model("tiny-llama", backend="xla", seq_len=16, num_warmup=0)
