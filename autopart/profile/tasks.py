@@ -4,7 +4,9 @@
   decoder layers take hidden states plus the layer context of
   ``autopart.intake.HFCausalLM`` (rotary embeddings, causal mask), then the final
   norm, then the head block, which is ``lm_head`` followed by ``causal_lm_loss``,
-  so its backward starts from the loss.
+  so its backward starts from the loss. With tied embeddings the head block still
+  counts the shared weight in its own ``param_bytes`` (a stage holding the head
+  holds a copy); ``ModelInfo.num_params`` counts it once.
 * Generic chains (``GenericRunner``, ``nn.Sequential`` / ``ModuleList`` models):
   each block takes the previous block's output (the first tensor if it returns a
   tuple). The first input is the model's ``autopart_example_input(micro_batch_size,
