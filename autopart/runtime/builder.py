@@ -121,6 +121,8 @@ def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
         init_rotary(module, device)
         if chain.tied_embeddings and _EMBED in fqns and _HEAD in fqns:
             module.get_submodule(_HEAD).weight = module.get_submodule(_EMBED).weight
+    if hasattr(root, "config"):
+        module.config = root.config
     module.train()
     return module
 

@@ -43,6 +43,8 @@ class PipelinedModel:
                  tied: TiedWeight | None, aliases: dict[str, str]) -> None:
         self.module = module
         """This rank's blocks under their original FQNs (a pruned model tree)."""
+        self.config = getattr(module, "config", None)
+        """The HF config of the model (``None`` for other models)."""
         self.stage_modules = stage_modules
         self.stage_plans = stage_plans
         self.schedule = schedule
