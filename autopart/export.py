@@ -113,7 +113,7 @@ def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
     if fmt == "nxd":
         return nxd_snippet(plan, profile)
     if fmt == "nemo":
-        shared = ("model.rotary_emb",) if profile.model.family.startswith("hf") else ()
+        shared = profile.model.shared_modules
         return json.dumps({"module_fqns_per_model_part": to_module_fqns(plan, shared)},
                           indent=2) + "\n"
     if fmt == "torchtitan":

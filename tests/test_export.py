@@ -29,7 +29,8 @@ def _profile() -> Profile:
                                 activation_bytes=1, output_bytes=1, transient_bytes=1)
                    for n, k, c in zip(NAMES, KINDS, CLASSES, strict=True))
     return Profile(model=ModelInfo(name="tiny", fingerprint="f", num_params=9,
-                                   family="hf_causal_lm", layer_classes=("LlamaDecoderLayer",)),
+                                   family="llama", layer_classes=("LlamaDecoderLayer",),
+                                   shared_modules=("model.rotary_emb",)),
                    setup=ProfileSetup(backend="cpu", device_name="cpu", dtype="float32",
                                       micro_batch_size=2, seq_len=8, torch_version="x"),
                    blocks=blocks)

@@ -128,7 +128,7 @@ def _profile_one(block: Block, original: nn.Module, inputs: torch.Tensor, runner
         activation_bytes=m.activation_bytes, output_bytes=m.output_bytes,
         transient_bytes=m.transient_bytes, num_params=num_params,
         fwd_ms_spread=t.fwd_ms_spread, bwd_ms_spread=t.bwd_ms_spread,
-        measured=figures.measured, compile_ms=t.compile_ms)
+        measured=figures.measured, compile_ms=t.compile_ms, class_name=block.class_name)
     return profile, output
 
 
@@ -157,7 +157,8 @@ def _model_info(loaded: LoadedModel, chain: BlockChain) -> ModelInfo:
         tied_embeddings=chain.tied_embeddings,
         vocab_size=int(getattr(config, "vocab_size", 0) or 0) if hf else 0,
         hidden_size=int(getattr(config, "hidden_size", 0) or 0) if hf else 0,
-        num_layers=num_layers)
+        num_layers=num_layers, layer_classes=chain.layer_class_names,
+        shared_modules=chain.shared_modules)
 
 
 def _transformers_version() -> str:

@@ -1,0 +1,160 @@
+"""``autopart plan PROFILE --pp N``: solve for the fastest plan that fits memory.
+
+Prints a per-rank table (stages, modules, F/B ms, memory against the limit), the
+predicted step time, bubble, the gain over the public baselines, and the
+suggested ``pipeline_cuts``; ``--format`` prints another tool's format instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from autopart.errors import PlanError
+from autopart.export import FORMATS, export_plan
+from autopart.profile import load_device_spec
+from autopart.schedules import SCHEDULES
+from autopart.schema import Plan, Profile
+from autopart.simulate import write_trace
+from autopart.solve import PARTITIONS, SOLVERS, make_plan
+from cli._format import gib, parse_bytes, summarize_modules
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``plan`` command."""
+    p = sub.add_parser("plan", help="solve for pipeline cuts, schedule and microbatches",
+                       description="Find the plan with the fastest simulated step that fits "
+                                   "every device's memory, and compare it with the even, "
+                                   "parameter-balanced and torchtitan splits.")
+    p.add_argument("profile", help="profile JSON written by `autopart profile`")
+    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                       help="samples per step per data-parallel replica; m is searched "
+                            "among its divisors")
+    batch.add_argument("--microbatches", type=int, default=None, metavar="M",
+                       help="fix the number of microbatches (default: 4 x pp)")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="per-device memory, e.g. 80GiB (default: the device's capacity for "
+                        "--device or analytical profiles, else unlimited)")
+    p.add_argument("--device", default=None,
+                   help="device spec (h100, h200, a100, trn1, trn2) for memory and link defaults")
+    p.add_argument("--schedule", default="auto", choices=["auto", *SCHEDULES])
+    p.add_argument("--virtual-stages", default="auto", help="stages per rank: auto or K")
+    p.add_argument("--partition", default="optimal", choices=PARTITIONS)
+    p.add_argument("--solver", default="auto", choices=SOLVERS)
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "none"])
+    p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: the profile's dtype")
+    p.add_argument("--master-weights", action="store_true",
+                   help="keep fp32 master weights (mixed precision)")
+    p.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/S",
+                   help="pipeline link bandwidth in GB/s (default: device spec, else 50)")
+    p.add_argument("--link-latency-ms", type=float, default=None)
+    p.add_argument("--no-recompute", action="store_true",
+                   help="never use activation recomputation to fit memory")
+    p.add_argument("--format", default="table", choices=["table", "json", *FORMATS])
+    p.add_argument("--trace", default=None, metavar="PATH", help="write the simulated trace")
+    p.add_argument("--out", default=None, metavar="PATH", help="write the plan JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, then print in the requested format."""
+    profile = Profile.load(args.profile)
+    plan = make_plan(profile, **_plan_kwargs(args, profile))
+    if args.out:
+        plan.save(args.out)
+    if args.trace:
+        _write_trace(plan, args.trace)
+    if args.format == "json":
+        sys.stdout.write(plan.to_json())
+    elif args.format != "table":
+        sys.stdout.write(export_plan(plan, profile, args.format))
+    else:
+        console = Console(width=None if sys.stdout.isatty() else 140)
+        _print_table(plan, console)
+        if args.out:
+            console.print(f"plan written to {args.out}")
+    return 0
+
+
+def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
+    if args.pp < 1:
+        raise PlanError(f"--pp must be >= 1, got {args.pp}")
+    virtual = args.virtual_stages
+    if virtual != "auto":
+        if not virtual.isdigit() or int(virtual) < 1:
+            raise PlanError(f"--virtual-stages must be auto or a positive integer, got {virtual!r}")
+        virtual = int(virtual)
+    device = args.device
+    if device is None and profile.setup.backend.startswith("analytical:"):
+        device = profile.setup.backend.split(":", 1)[1]
+    spec = load_device_spec(device) if device else None
+    limit = parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
+    if limit is None and spec is not None:
+        limit = spec.memory_bytes
+    setup = {"optimizer": args.optimizer, "master_weights": args.master_weights}
+    dtype = args.param_dtype or profile.setup.dtype
+    setup.update(param_dtype=dtype, grad_dtype=dtype)
+    if args.link_bandwidth is not None:
+        setup["link_bandwidth_bytes_per_s"] = args.link_bandwidth * 1e9
+    elif spec is not None:
+        setup["link_bandwidth_bytes_per_s"] = spec.link_bandwidth_bytes_per_s
+    if args.link_latency_ms is not None:
+        setup["link_latency_ms"] = args.link_latency_ms
+    elif spec is not None:
+        setup["link_latency_ms"] = spec.link_latency_ms
+    return {"pp_size": args.pp, "num_microbatches": args.microbatches,
+            "global_batch_size": args.global_batch_size, "schedule": args.schedule,
+            "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
+            "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute, **setup}
+
+
+def _print_table(plan: Plan, console: Console) -> None:
+    table = Table(title=f"{plan.model_name}: pp={plan.pp_size}, {plan.schedule}, "
+                        f"v={plan.virtual_stages}, m={plan.num_microbatches}")
+    for column in ("rank", "stage", "modules", "F ms", "B ms", "recompute", "memory", "busy ms"):
+        table.add_column(column, justify="left" if column == "modules" else "right")
+    for rank in plan.ranks:
+        limit = f" / {gib(rank.memory_limit_bytes)}" if rank.memory_limit_bytes else ""
+        for i, stage_idx in enumerate(rank.stages):
+            stage = plan.stages[stage_idx]
+            table.add_row(str(rank.rank) if i == 0 else "", str(stage.index),
+                          summarize_modules(stage.modules), f"{stage.fwd_ms:.2f}",
+                          f"{stage.bwd_ms:.2f}", "yes" if stage.recompute else "",
+                          gib(rank.peak_memory_bytes) + limit if i == 0 else "",
+                          f"{rank.busy_ms:.1f}" if i == 0 else "")
+    console.print(table)
+    console.print(f"predicted step: [bold]{plan.predicted_step_ms:.2f} ms[/], bubble "
+                  f"{100 * plan.bubble_fraction:.1f}%  (solver: {_solver_text(plan)})")
+    for name, base in sorted(plan.baselines.items()):
+        fits = "" if base.get("fits", True) else "  [red]does not fit memory[/]"
+        console.print(f"  vs {name:<10} {base['predicted_step_ms']:10.2f} ms  ->  "
+                      f"{base.get('speedup', 0):.3f}x{fits}")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    console.print("pipeline_cuts = " + json.dumps(list(plan.pipeline_cuts)), highlight=False)
+
+
+def _solver_text(plan: Plan) -> str:
+    info = plan.solver or {}
+    text = f"{info.get('name', '?')}, {info.get('status', '?')}"
+    if info.get("gap"):
+        text += f", gap {100 * info['gap']:.1f}%"
+    return text
+
+
+def _write_trace(plan: Plan, path: str) -> None:
+    from autopart.cost import stage_costs_of_plan
+    from autopart.schema import TrainingSetup
+    from autopart.simulate import simulate
+
+    result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
+                      virtual_stages=plan.virtual_stages,
+                      num_microbatches=plan.num_microbatches, setup=TrainingSetup(**plan.setup))
+    names = [f"stage {s.index}: {summarize_modules(s.modules)}" for s in plan.stages]
+    write_trace(result, path, stage_names=names)
