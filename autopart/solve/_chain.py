@@ -25,6 +25,7 @@ same boundary), so the feasible starts form a window ``[lo(j), j - 1]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,7 +103,7 @@ class Chain:
         mem = self.memory_window(np.array([i]), np.array([j]), r, in_flight)
         return int(mem[0])
 
-    def memory_window(self, i: np.ndarray, j: np.ndarray, r: int, in_flight: int
+    def memory_window(self, i: np.ndarray, j: np.ndarray, r: int, in_flight: int | np.ndarray
                       ) -> np.ndarray:
         """Vectorized ``memory`` for pairs ``i < j``."""
         static = self.static_prefix[j] - self.static_prefix[i]
@@ -117,27 +118,34 @@ class Chain:
     def lo_memory(self, r: int, in_flight: int, limit_bytes: float | None) -> np.ndarray:
         """For each end j (0..n) the smallest start i whose stage fits; ``j`` if none."""
         key = (r, in_flight, limit_bytes)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
+        if key not in self.cache:
+            self.prepare_lo_memory(r, [in_flight], limit_bytes)
+        return self.cache[key]
+
+    def prepare_lo_memory(self, r: int, in_flights: Sequence[int], limit_bytes: float | None
+                          ) -> None:
+        """Compute ``lo_memory`` for many in-flight counts at once (one vectorized bisection)."""
+        todo = sorted({k for k in in_flights if (r, k, limit_bytes) not in self.cache})
+        if not todo:
+            return
         n = self.num_blocks
-        ends = np.arange(n + 1)
-        lo = np.zeros(n + 1, dtype=np.int64)
+        ends = np.tile(np.arange(n + 1), len(todo))
+        ks = np.repeat(np.array(todo, dtype=np.int64), n + 1)
+        lo = np.zeros(len(ends), dtype=np.int64)
         if limit_bytes is not None:
             hi = ends.copy()
             for _ in range(int(n + 1).bit_length()):
-                active = lo < hi
-                if not active.any():
+                active = np.flatnonzero(lo < hi)
+                if not len(active):
                     break
-                mid = (lo + hi) // 2
-                fits = np.ones(n + 1, dtype=bool)
-                fits[active] = self.memory_window(mid[active], ends[active], r,
-                                                  in_flight) <= limit_bytes
-                hi = np.where(active & fits, mid, hi)
-                lo = np.where(active & ~fits, mid + 1, lo)
-        lo[0] = 0
-        self.cache[key] = lo
-        return lo
+                mid = (lo[active] + hi[active]) // 2
+                fits = self.memory_window(mid, ends[active], r, ks[active]) <= limit_bytes
+                hi[active] = np.where(fits, mid, hi[active])
+                lo[active] = np.where(fits, lo[active], mid + 1)
+        for pos, k in enumerate(todo):
+            row = lo[pos * (n + 1):(pos + 1) * (n + 1)].copy()
+            row[0] = 0
+            self.cache[(r, k, limit_bytes)] = row
 
     def lo_time(self, r: int, bound_ms: float) -> np.ndarray:
         """For each end j the smallest start i with ``time(i, j, r) <= bound_ms``."""

@@ -74,6 +74,11 @@ class _Windows:
     def __init__(self, chain: Chain, in_flight: Sequence[int],
                  limits: Sequence[float | None], recompute: bool) -> None:
         self.chain = chain
+        for limit in set(limits):
+            ks = [k for k, lim in zip(in_flight, limits) if lim == limit]
+            chain.prepare_lo_memory(0, ks, limit)
+            if recompute:
+                chain.prepare_lo_memory(1, ks, limit)
         self.mem = [(chain.lo_memory(0, k, lim), chain.lo_memory(1, k, lim) if recompute else None)
                     for k, lim in zip(in_flight, limits)]
         # Recompute helps a stage only where it admits earlier starts than no recompute.
