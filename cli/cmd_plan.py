@@ -108,8 +108,15 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
         setup["link_latency_ms"] = args.link_latency_ms
     elif spec is not None:
         setup["link_latency_ms"] = spec.link_latency_ms
+    schedule, cut_kinds = args.schedule, None
+    if args.format == "nxd":
+        # NxDPPModel cuts only at transformer layers and runs 1F1B or interleaved 1F1B.
+        cut_kinds = ("decoder_layer",)
+        if schedule == "auto":
+            schedule = ["1f1b", "interleaved-1f1b"]
     return {"pp_size": args.pp, "num_microbatches": args.microbatches,
-            "global_batch_size": args.global_batch_size, "schedule": args.schedule,
+            "global_batch_size": args.global_batch_size, "schedule": schedule,
+            "cut_kinds": cut_kinds,
             "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
             "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute, **setup}
 
@@ -145,6 +152,8 @@ def _solver_text(plan: Plan) -> str:
     text = f"{info.get('name', '?')}, {info.get('status', '?')}"
     if info.get("gap"):
         text += f", gap {100 * info['gap']:.1f}%"
+    if info.get("refined"):
+        text += f"; local search made it {100 * info['refine_gain']:.1f}% faster"
     return text
 
 

@@ -1,7 +1,9 @@
 """Search schedule x virtual stages x microbatches; the public ``make_plan``.
 
-For every allowed combination the chosen partition method proposes a split (DP,
-ILP or a baseline), the simulator runs it, and the fastest split that fits wins.
+For every allowed combination the chosen partition method proposes splits (DP,
+ILP, and the public baselines as seeds), the simulator runs them, and the best
+few are refined by a simulator-driven local search (``refine``); the fastest
+split that fits wins, so it is never slower than a baseline it could have been.
 Ties break by schedule order in ``autopart.schedules.SCHEDULES``, then fewer
 virtual stages, then fewer microbatches, so the plan is deterministic. The
 baselines are simulated under the winner's schedule, v and m.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ from autopart.solve.assemble import Evaluated, evaluate_split, plan_from_split
 from autopart.solve.baselines import BASELINES, baseline_split
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
+from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, refine
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
 
@@ -35,6 +39,8 @@ SOLVERS = ("auto", "dp", "ilp")
 _AUTO_VIRTUAL = (2, 4, 8)
 _ILP_AUTO_MAX_CELLS = 2048
 """``solver="auto"`` adds the ILP for v > 1 when blocks x stages is at most this."""
+_NUM_REFINED = 3
+"""How many of the best (schedule, v, m) candidates the local search refines."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,29 +51,42 @@ class _Setting:
     setup: TrainingSetup
     arrays: BlockArrays
     chain: Chain
+    """The solvers' chain, over fused blocks when cuts are restricted."""
+    starts: tuple[int, ...]
+    """Original block position of every fused block of ``chain`` (plus ``n``)."""
+    allowed: tuple[bool, ...]
+    """``allowed[j]``: a stage may end after block ``j - 1``."""
+
+    def unfuse(self, bounds: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """Fused-chain bounds -> bounds over the original blocks."""
+        return tuple((self.starts[i], self.starts[j]) for i, j in bounds)
 
 
 def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = None,
-              global_batch_size: int | None = None, schedule: str = "auto",
+              global_batch_size: int | None = None, schedule: str | Sequence[str] = "auto",
               virtual_stages: int | str = "auto", partition: str = "optimal",
               solver: str = "auto", memory_limit_bytes: int | None = None,
               allow_recompute: bool = True, ilp_backend: str = "auto",
-              ilp_time_limit_s: float = 60.0, **setup_fields: Any) -> Plan:
+              ilp_time_limit_s: float = 60.0, cut_kinds: Sequence[str] | None = None,
+              refine_evals: int = 300, **setup_fields: Any) -> Plan:
     """Plan the pipeline of ``profile`` on ``pp_size`` ranks.
 
     ``num_microbatches`` fixes m; else ``global_batch_size`` (samples per step and
     data-parallel replica) allows every m dividing it, rescaling the profile's
     per-microbatch costs linearly to ``global_batch_size / m`` samples; with neither,
-    m = 4 * pp. ``schedule`` / ``virtual_stages`` ``"auto"`` try every schedule and
+    m = 4 * pp. ``schedule`` is a name, a list of names, or ``"auto"``;
+    ``schedule`` / ``virtual_stages`` ``"auto"`` try every schedule and
     v in (2, 4, 8) that torch accepts. ``partition``: ``optimal`` (``solver``: dp,
     ilp, or auto = DP, plus the ILP for small multi-stage problems) or a baseline
-    (even, params, torchtitan). ``setup_fields`` go to ``TrainingSetup`` (optimizer,
+    (even, params, torchtitan). ``cut_kinds`` restricts cuts to after blocks of
+    those kinds (NxD: ``("decoder_layer",)``). ``refine_evals`` bounds the local
+    search's simulations per refined candidate (0 turns it off). ``setup_fields`` go to ``TrainingSetup`` (optimizer,
     dtypes, link figures, ...). Raises ``PlanError`` for bad settings and
     ``InfeasibleError`` (with the memory that would fit) when nothing fits.
     """
     _check_args(profile, pp_size, partition, solver, virtual_stages)
     settings = _settings(profile, pp_size, num_microbatches, global_batch_size,
-                         memory_limit_bytes, setup_fields)
+                         memory_limit_bytes, setup_fields, cut_kinds)
     configs = _configs(profile, pp_size, schedule, virtual_stages, sorted(settings))
     found: list[tuple[Evaluated, dict]] = []
     for name, num_virtual, m in configs:
@@ -77,6 +96,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     if not fitting:
         raise _explain.infeasible(settings, configs, found, pp_size, memory_limit_bytes,
                                   partition, allow_recompute)
+    if partition == "optimal" and refine_evals > 0:
+        fitting = _refined(settings, fitting, refine_evals)
     best, solver_info = min(fitting, key=lambda item: _rank_key(item[0]))
     setting = settings[best.num_microbatches]
     baselines = _baselines(setting, best)
@@ -113,7 +134,8 @@ def _check_args(profile: Profile, pp_size: int, partition: str, solver: str,
 
 def _settings(profile: Profile, pp_size: int, num_microbatches: int | None,
               global_batch_size: int | None, memory_limit_bytes: int | None,
-              setup_fields: dict[str, Any]) -> dict[int, _Setting]:
+              setup_fields: dict[str, Any], cut_kinds: Sequence[str] | None
+              ) -> dict[int, _Setting]:
     """One ``_Setting`` per candidate microbatch count."""
     if num_microbatches is not None:
         counts = {num_microbatches: None}
@@ -132,8 +154,14 @@ def _settings(profile: Profile, pp_size: int, num_microbatches: int | None,
         except (TypeError, SchemaError) as exc:
             raise PlanError(f"bad training setup: {exc}") from None
         scaled = profile if samples is None else _rescaled(profile, samples)
-        arrays = block_arrays(scaled, setup)
-        out[m] = _Setting(scaled, setup, arrays, build_chain(arrays, setup))
+        allowed = allowed_cuts(scaled, cut_kinds)
+        fused, starts = fuse_blocks(scaled, allowed)
+        if len(fused.blocks) < pp_size:
+            raise PlanError(f"only {len(fused.blocks)} cut positions allow {cut_kinds} cuts, "
+                            f"fewer than pp_size ({pp_size}); lower --pp")
+        out[m] = _Setting(scaled, setup, block_arrays(scaled, setup),
+                          build_chain(block_arrays(fused, setup), setup), tuple(starts),
+                          tuple(allowed))
     return out
 
 
@@ -152,10 +180,14 @@ def _rescaled(profile: Profile, micro_batch_size: int) -> Profile:
     return dataclasses.replace(profile, blocks=blocks, setup=setup)
 
 
-def _configs(profile: Profile, pp_size: int, schedule: str, virtual_stages: int | str,
+def _configs(profile: Profile, pp_size: int, schedule: str | Sequence[str],
+             virtual_stages: int | str,
              counts: list[int]) -> list[tuple[str, int, int]]:
     """Every (schedule, v, m) torch accepts; raises the first reason when none is left."""
-    names = list(SCHEDULES) if schedule == "auto" else [schedule_info(schedule).name]
+    if isinstance(schedule, str):
+        names = list(SCHEDULES) if schedule == "auto" else [schedule_info(schedule).name]
+    else:
+        names = [schedule_info(name).name for name in schedule]
     configs, reasons = [], []
     for name in names:
         info = SCHEDULES[name]
@@ -193,9 +225,13 @@ def _propose(setting: _Setting, name: str, pp_size: int, num_virtual: int, m: in
         bounds = baseline_split(partition, setting.profile.blocks, num_stages)
         return [(evaluate_split(setting.arrays, setting.setup, bounds=bounds, **common),
                  {"name": partition, "status": "heuristic"})]
+    out = [(evaluate_split(setting.arrays, setting.setup, bounds=bounds, **common),
+            {"name": name, "status": "baseline"})
+           for name in BASELINES
+           if legal(bounds := tuple(baseline_split(name, setting.profile.blocks, num_stages)),
+                    setting.allowed)]
     in_flight = max_in_flight(name, pp_size, num_virtual, m)
     limit = setting.setup.memory_limit_bytes
-    out = []
     if solver in ("auto", "dp"):
         per_stage = None if limit is None else limit / num_virtual
         dp = solve_dp(setting.chain, num_stages=num_stages, in_flight=in_flight,
@@ -203,7 +239,8 @@ def _propose(setting: _Setting, name: str, pp_size: int, num_virtual: int, m: in
                       weight=num_virtual * num_virtual * (m - 1),
                       allow_recompute=allow_recompute)
         if dp is not None:
-            out.append((evaluate_split(setting.arrays, setting.setup, bounds=dp.bounds,
+            out.append((evaluate_split(setting.arrays, setting.setup,
+                                       bounds=setting.unfuse(dp.bounds),
                                        recompute=dp.recompute, **common),
                         {"name": "dp", "status": "optimal", "gap": 0.0,
                          "objective_ms": dp.objective_ms}))
@@ -220,10 +257,35 @@ def _propose(setting: _Setting, name: str, pp_size: int, num_virtual: int, m: in
         except ValueError as exc:
             raise PlanError(str(exc)) from None
         if ilp is not None:
-            out.append((evaluate_split(setting.arrays, setting.setup, bounds=ilp.bounds,
+            out.append((evaluate_split(setting.arrays, setting.setup,
+                                       bounds=setting.unfuse(ilp.bounds),
                                        recompute=ilp.recompute, **common),
                         {"name": "ilp", "status": ilp.status, "gap": ilp.gap,
                          "backend": ilp.backend, "objective_ms": ilp.objective_ms}))
+    return out
+
+
+def _refined(settings: dict[int, _Setting], fitting: list[tuple[Evaluated, dict]],
+             max_evals: int) -> list[tuple[Evaluated, dict]]:
+    """Local search from the best candidate of each of the best few configurations."""
+    best_per_config: dict[tuple, tuple[Evaluated, dict]] = {}
+    for item in sorted(fitting, key=lambda item: _rank_key(item[0])):
+        ev = item[0]
+        best_per_config.setdefault((ev.schedule, ev.virtual_stages, ev.num_microbatches), item)
+    out = list(fitting)
+    for ev, info in list(best_per_config.values())[:_NUM_REFINED]:
+        setting = settings[ev.num_microbatches]
+
+        def evaluate(bounds, recompute, ev=ev, setting=setting):
+            return evaluate_split(setting.arrays, setting.setup, schedule=ev.schedule,
+                                  pp_size=ev.pp_size, virtual_stages=ev.virtual_stages,
+                                  num_microbatches=ev.num_microbatches, bounds=bounds,
+                                  recompute=recompute)
+
+        better = refine(evaluate, ev, setting.allowed, max_evals=max_evals)
+        if better is not ev:
+            gain = ev.result.step_ms / better.result.step_ms - 1
+            out.append((better, {**info, "refined": True, "refine_gain": round(gain, 6)}))
     return out
 
 

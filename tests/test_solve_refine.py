@@ -1,0 +1,64 @@
+"""Local search and cut restrictions: plans never lose to a baseline; NxD cuts stay on layers.
+
+Compared against the baselines simulated in the same plan and hand-fused blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autopart.errors import PlanError
+from autopart.solve import make_plan
+from autopart.solve.refine import allowed_cuts, fuse_blocks, legal
+from tests.solve_helpers import llama_like, make_block, make_profile
+
+
+def test_fuse_blocks_merges_runs_without_cuts():
+    profile = llama_like(4)
+    allowed = allowed_cuts(profile, ("decoder_layer",))
+    kinds = [b.kind for b in profile.blocks]
+    assert kinds[0] == "embedding" and kinds[-1] == "head"
+    fused, starts = fuse_blocks(profile, allowed)
+    # embedding + layer 0 fuse, and norm + head fuse; every decoder layer ends a run.
+    assert starts == [0, 2, 3, 4, 5, len(profile.blocks)]
+    assert fused.blocks[0].fwd_ms == pytest.approx(profile.blocks[0].fwd_ms + profile.blocks[1].fwd_ms)
+    assert fused.blocks[-1].output_bytes == profile.blocks[-1].output_bytes
+    assert legal(((0, 2), (2, len(profile.blocks))), allowed)
+    assert not legal(((0, 1), (1, len(profile.blocks))), allowed)
+
+
+def test_no_restriction_is_identity():
+    profile = llama_like(3)
+    fused, starts = fuse_blocks(profile, allowed_cuts(profile, None))
+    assert fused is profile and starts == list(range(len(profile.blocks) + 1))
+
+
+def test_nxd_cuts_only_after_decoder_layers():
+    profile = llama_like(8, head_ms=6.0)
+    plan = make_plan(profile, pp_size=4, schedule="1f1b", num_microbatches=8,
+                     cut_kinds=("decoder_layer",))
+    kinds = {b.name: b.kind for b in profile.blocks}
+    assert all(kinds[cut] == "decoder_layer" for cut in plan.pipeline_cuts)
+    free = make_plan(profile, pp_size=4, schedule="1f1b", num_microbatches=8)
+    assert free.predicted_step_ms <= plan.predicted_step_ms + 1e-9
+
+
+def test_too_few_cut_positions_is_a_plan_error():
+    profile = llama_like(2)
+    with pytest.raises(PlanError, match="fewer than pp_size"):
+        make_plan(profile, pp_size=4, num_microbatches=8, cut_kinds=("decoder_layer",))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(times=st.lists(st.floats(0.1, 10.0), min_size=4, max_size=10),
+       pp=st.integers(2, 3), schedule=st.sampled_from(["1f1b", "gpipe"]))
+def test_plan_never_slower_than_a_fitting_baseline(times, pp, schedule):
+    blocks = [make_block(f"b{i}", fwd_ms=t, output_bytes=1 << 20, activation_bytes=1 << 22)
+              for i, t in enumerate(times)]
+    plan = make_plan(make_profile(blocks), pp_size=pp, schedule=schedule,
+                     num_microbatches=2 * pp)
+    for base in plan.baselines.values():
+        if base["fits"]:
+            assert plan.predicted_step_ms <= base["predicted_step_ms"] * (1 + 1e-9)
