@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 
 from autopart.cost import stage_costs_of_plan
 from autopart.schema import Plan, TrainingSetup
 from autopart.simulate import render_timeline, simulate, write_trace
+from cli._format import gib
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,14 +33,14 @@ def run(args: argparse.Namespace) -> int:
     result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
                       virtual_stages=plan.virtual_stages,
                       num_microbatches=plan.num_microbatches, setup=setup)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else args.width + 20)
     console.print(f"[bold]{plan.model_name or 'plan'}[/]: pp={plan.pp_size} "
                   f"v={plan.virtual_stages} {plan.schedule} m={plan.num_microbatches}")
-    console.print(render_timeline(result, width=args.width), highlight=False, markup=False)
-    console.print(f"step {result.step_ms:.2f} ms, bubble {100 * result.bubble_fraction:.1f}%")
+    console.print(render_timeline(result, width=args.width), highlight=False, markup=False,
+                  soft_wrap=True)
     for rank, peak in enumerate(result.rank_peak_memory_bytes):
         console.print(f"  rank {rank}: busy {result.rank_busy_ms[rank]:.2f} ms, "
-                      f"idle {result.rank_idle_ms[rank]:.2f} ms, peak {peak / 2**30:.2f} GiB")
+                      f"idle {result.rank_idle_ms[rank]:.2f} ms, peak memory {gib(peak)}")
     if args.trace:
         names = [f"stage {s.index}: {s.modules[0]}..{s.modules[-1]}" for s in plan.stages]
         write_trace(result, args.trace, stage_names=names)

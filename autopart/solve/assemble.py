@@ -63,7 +63,9 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
             bwd_ms=cost.bwd_ms, param_count=cost.param_count, first_block_idx=i,
             last_block_idx=j - 1, bwd_input_ms=cost.bwd_input_ms,
             bwd_weight_ms=cost.bwd_weight_ms, recompute=cost.recompute,
-            activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes))
+            activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes,
+            input_bytes=cost.input_bytes, output_bytes=cost.output_bytes,
+            transient_bytes=cost.transient_bytes))
     result = best.result
     ranks = tuple(
         RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),
