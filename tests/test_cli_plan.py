@@ -1,0 +1,117 @@
+"""``autopart plan`` / ``autopart simulate``: tables, exports, files, and one-line errors.
+
+Each error case checks exit code 2, a single stderr line naming the problem and
+the remedy, and that no file was written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autopart.schema import Plan
+from cli.main import main
+from tests.solve_helpers import llama_like
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "llama.profile.json"
+    path.write_text(llama_like(8, head_ms=6.0).to_json())
+    return path
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def test_plan_table_shows_cuts_and_baselines(profile_path, tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    assert main(["plan", str(profile_path), "--pp", "4", "--schedule", "1f1b",
+                 "--microbatches", "8", "--out", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(out_path)
+    assert "pipeline_cuts = " + json.dumps(list(plan.pipeline_cuts)) in out
+    assert "vs even" in out and "predicted step" in out
+    assert len(plan.pipeline_cuts) == 3
+
+
+def test_plan_json_is_deterministic(profile_path, capsys):
+    args = ["plan", str(profile_path), "--pp", "2", "--format", "json", "--microbatches", "4"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize("fmt", ["nxd", "nemo", "torchtitan", "megatron"])
+def test_exports(profile_path, capsys, fmt):
+    assert main(["plan", str(profile_path), "--pp", "2", "--microbatches", "4",
+                 "--schedule", "1f1b", "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    marker = {"nxd": "pipeline_cuts = [", "nemo": "module_fqns_per_model_part",
+              "torchtitan": "pipeline_parallel_degree", "megatron": "--pipeline-model-parallel-layout"}
+    assert marker[fmt] in out
+
+
+def test_simulate_replays_the_plan(profile_path, tmp_path, capsys):
+    plan_path, trace_path = tmp_path / "p.json", tmp_path / "t.json"
+    assert main(["plan", str(profile_path), "--pp", "2", "--microbatches", "4",
+                 "--out", str(plan_path)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(plan_path), "--trace", str(trace_path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(plan_path)
+    assert f"step {plan.predicted_step_ms:.3f} ms" in out
+    assert json.loads(trace_path.read_text())["traceEvents"]
+
+
+def test_pp_larger_than_blocks(profile_path, capsys):
+    assert main(["plan", str(profile_path), "--pp", "64"]) == 2
+    err = _one_line_error(capsys)
+    assert "pp_size (64) exceeds the number of blocks (11)" in err and "lower --pp" in err
+
+
+def test_infeasible_memory_names_what_fits(profile_path, tmp_path, capsys):
+    out_path = tmp_path / "never.json"
+    assert main(["plan", str(profile_path), "--pp", "2", "--memory-limit", "1MiB",
+                 "--out", str(out_path)]) == 2
+    err = _one_line_error(capsys)
+    assert "smallest" in err and "GiB" in err
+    assert not out_path.exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{broken", "not valid JSON"),
+    ('{"schema_version": 1}', "missing key"),
+])
+def test_malformed_profile(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert main(["plan", str(path), "--pp", "2"]) == 2
+    assert message in _one_line_error(capsys)
+
+
+def test_bad_memory_limit_and_virtual_stages(profile_path, capsys):
+    assert main(["plan", str(profile_path), "--pp", "2", "--memory-limit", "lots"]) == 2
+    assert "--memory-limit 'lots' is not a size" in _one_line_error(capsys)
+    assert main(["plan", str(profile_path), "--pp", "2", "--virtual-stages", "two"]) == 2
+    assert "--virtual-stages must be auto or a positive integer" in _one_line_error(capsys)
+
+
+def test_missing_plan_file_for_simulate(tmp_path, capsys):
+    assert main(["simulate", str(tmp_path / "nope.json")]) == 2
+    assert "does not exist" in _one_line_error(capsys)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    """--debug trades the one-line error for the full traceback."""
+    result = subprocess.run([sys.executable, "-m", "autopart", "--debug", "simulate",
+                             str(tmp_path / "nope.json")], capture_output=True, text=True, check=False,
+                            timeout=120)
+    assert result.returncode != 0 and "Traceback" in result.stderr
