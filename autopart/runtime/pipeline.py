@@ -67,7 +67,8 @@ class PipelinedModel:
         Call it on every rank with the same batch (``input_ids``, ``target=labels`` and
         ``attention_mask``/``position_ids`` keywords for HF models). Gradients
         accumulate into ``.grad`` and are then reduced over tied and data-parallel
-        ranks, so call ``optimizer.zero_grad()`` before each step. Returns the batch
+        ranks, so call ``optimizer.zero_grad()`` before each step (gradients accumulated
+        over several ``step`` calls would be reduced more than once). Returns the batch
         loss (HF: token mean over the whole batch, all dp replicas; otherwise the mean
         of the microbatch losses) on ranks holding the last stage, ``None`` elsewhere.
         ``losses`` receives the per-microbatch losses on the last stage.
@@ -190,11 +191,12 @@ class PipelinedModel:
                 f"{self.plan.num_microbatches} microbatches, device {self.device}")
         lines = [head]
         counts = self.stage_param_counts()
-        for plan in self.stage_plans:
+        for plan, module in zip(self.stage_plans, self.stage_modules):
             blocks = f"{plan.modules[0]} .. {plan.modules[-1]}" if len(plan.modules) > 1 \
                 else plan.modules[0]
+            recompute = getattr(module, "_recompute", False)
             lines.append(f"  stage {plan.index}: {len(plan.modules)} block(s) {blocks}, "
-                         f"{counts[plan.index]:,} params, recompute={plan.recompute}")
+                         f"{counts[plan.index]:,} params, recompute={recompute}")
         if self._tied is not None:
             lines.append("  tied embedding: gradient summed with the other end of the pipeline")
         return "\n".join(lines)
