@@ -32,6 +32,9 @@ class Tree(nn.Module):
     def __len__(self) -> int:
         return self._length
 
+    def __bool__(self) -> bool:
+        return True  # a module is truthy even when it stands in for an empty list
+
 
 def prune(root: nn.Module, fqns: Iterable[str], into: Tree | None = None) -> Tree:
     """A ``Tree`` holding the modules of ``root`` named by ``fqns`` (the same objects).
