@@ -248,6 +248,11 @@ class Plan:
     """``{"name": "dp"|"ilp"|..., "status": "optimal"|..., "gap": float, "seconds": float}``."""
     notes: tuple[str, ...] = ()
     """Human-readable reasons (e.g. why rank 0 holds fewer blocks)."""
+    micro_batch_size: int = 0
+    """Samples per microbatch the plan was made for (the profile's, or rescaled)."""
+    seq_len: int = 0
+    dtype: str = ""
+    """The profile's dtype."""
 
     def __post_init__(self) -> None:
         num_stages = self.pp_size * self.virtual_stages

@@ -83,4 +83,6 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
         stages=tuple(stages), ranks=ranks, predicted_step_ms=result.step_ms,
         bubble_fraction=result.bubble_fraction, baselines=baselines,
         model_name=profile.model.name, partition=partition,
-        setup=dataclasses.asdict(setup_used), solver=solver, notes=tuple(notes))
+        setup=dataclasses.asdict(setup_used), solver=solver, notes=tuple(notes),
+        micro_batch_size=profile.setup.micro_batch_size, seq_len=profile.setup.seq_len,
+        dtype=profile.setup.dtype)

@@ -104,7 +104,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     notes = _explain.notes(setting.profile, best, baselines, memory_limit_bytes,
                            default_m=num_microbatches is None and global_batch_size is None,
                            rescaled=setting.profile is not profile)
-    return plan_from_split(profile, setting.setup, best, partition=partition,
+    # The setting's profile: the same blocks, its micro-batch size rescaled when m varied.
+    return plan_from_split(setting.profile, setting.setup, best, partition=partition,
                            solver=solver_info, baselines=_baseline_json(best, baselines),
                            notes=notes)
 
@@ -232,6 +233,9 @@ def _propose(setting: _Setting, name: str, pp_size: int, num_virtual: int, m: in
                     setting.allowed)]
     in_flight = max_in_flight(name, pp_size, num_virtual, m)
     limit = setting.setup.memory_limit_bytes
+    # Split-backward schedules run B and W as separate autograd passes, and each pass
+    # re-runs a checkpointed stage's forward: recomputation costs several forwards there.
+    allow_recompute = allow_recompute and not schedule_info(name).split_backward
     if solver in ("auto", "dp"):
         per_stage = None if limit is None else limit / num_virtual
         dp = solve_dp(setting.chain, num_stages=num_stages, in_flight=in_flight,
