@@ -58,6 +58,10 @@ class Backend:
         """Device bytes in use now, where the runtime reports it."""
         return None
 
+    def compile_clock_ms(self) -> float | None:
+        """Milliseconds spent compiling graphs so far; ``None`` where nothing compiles."""
+        return None
+
 
 class CPUBackend(Backend):
     """Host CPU."""
@@ -122,8 +126,15 @@ class XLABackend(Backend):
             raise ProfileError("backend 'xla' needs torch_xla, which is not installed; "
                                "install autopart[xla] (pip install 'autopart[xla]') or use "
                                "--backend cpu / analytical:trn2") from None
+        import torch_xla
+
         self.xm = xm
-        self.device = torch.device(xm.xla_device())
+        # torch_xla 2.9 deprecates xm.xla_device / xm.mark_step in favour of torch_xla.device /
+        # torch_xla.sync; older builds (torch-neuronx pins its own) only have the xm spellings.
+        self._xla_sync = getattr(torch_xla, "sync", None) or xm.mark_step
+        get_device = getattr(torch_xla, "device", None) or xm.xla_device
+        self.device = torch.device(get_device())
+        self._metrics = _xla_metrics()
         hw = getattr(xm, "xla_device_hw", None)
         self.device_name = f"XLA {hw(self.device) if hw else ''} ({self.device})".strip()
         if self.bytes_in_use() is not None:
@@ -138,9 +149,16 @@ class XLABackend(Backend):
         return (time.perf_counter() - start) * 1e3, out
 
     def sync(self) -> None:
-        """Cut the lazy graph, run it, and wait for the device."""
-        self.xm.mark_step()
+        """Cut the lazy graph, run it, and wait for the device (``mark_step`` + ``wait_device_ops``)."""
+        self._xla_sync()
         self.xm.wait_device_ops()
+
+    def compile_clock_ms(self) -> float | None:
+        """Total XLA compilation time so far (``CompileTime`` metric), if torch_xla counts it."""
+        if self._metrics is None:
+            return None
+        data = self._metrics.metric_data("CompileTime")
+        return data[1] / 1e6 if data else 0.0
 
     def bytes_in_use(self) -> int | None:
         """``bytes_used`` of ``xm.get_memory_info`` where this torch_xla reports it."""
@@ -165,6 +183,15 @@ def make_backend(name: str) -> Backend:
         raise ProfileError(f"unknown backend {name!r}; expected cpu, cuda, xla or "
                            f"analytical:<device>")
     return backends[name]()
+
+
+def _xla_metrics() -> Any:
+    """``torch_xla.debug.metrics``, or ``None`` where this torch_xla has no metrics."""
+    try:
+        import torch_xla.debug.metrics as met
+    except ImportError:
+        return None
+    return met if hasattr(met, "metric_data") else None
 
 
 def _cpu_name() -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +62,10 @@ def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
     if not (task.input_grad or task.trainable()):
         return _forward_only_times(task, backend, num_warmup, num_repeats)
     grad_out = incoming_grad(task)
-    compile_ms = 0.0
-    for i in range(num_warmup):
-        # warm-up runs the very graphs the timed rounds run, so XLA compiles them all here
-        start = time.perf_counter()
-        _timed_round(task, backend, grad_out)
-        if i == 0 and backend.name == "xla":
-            compile_ms = (time.perf_counter() - start) * 1e3
+    _same_graph_every_round(task, backend)
+    with _compile_clock(backend) as compile_ms:
+        for _ in range(num_warmup):
+            _timed_round(task, backend, grad_out)
     fwd, full, inp = [], [], []
     for _ in range(num_repeats):
         round_fwd, round_full, round_inp = _timed_round(task, backend, grad_out)
@@ -74,13 +73,15 @@ def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
         full.append(round_full)
         inp += round_inp
     task.inputs.grad = None
+    for p in task.trainable():
+        p.grad = None
     bwd = statistics.median(full)
     b_ms = min(statistics.median(inp), bwd) if inp else 0.0
     if not task.trainable():
         b_ms = bwd if task.input_grad else 0.0
     return TimeFigures(fwd_ms=statistics.median(fwd), bwd_ms=bwd, bwd_input_ms=b_ms,
                        bwd_weight_ms=max(bwd - b_ms, 0.0), fwd_ms_spread=_spread(fwd),
-                       bwd_ms_spread=_spread(full), compile_ms=compile_ms)
+                       bwd_ms_spread=_spread(full), compile_ms=compile_ms[0])
 
 
 def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigures:
@@ -126,11 +127,43 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
 def _forward_only_times(task: BlockTask, backend: Backend, num_warmup: int,
                         num_repeats: int) -> TimeFigures:
     """A block with nothing to differentiate (frozen weights, integer input): F only."""
-    for _ in range(num_warmup):
-        backend.time(task.forward)
+    with _compile_clock(backend) as compile_ms:
+        for _ in range(num_warmup):
+            backend.time(task.forward)
     fwd = [backend.time(task.forward)[0] for _ in range(num_repeats)]
     return TimeFigures(fwd_ms=statistics.median(fwd), bwd_ms=0.0, bwd_input_ms=0.0,
-                       bwd_weight_ms=0.0, fwd_ms_spread=_spread(fwd))
+                       bwd_weight_ms=0.0, fwd_ms_spread=_spread(fwd), compile_ms=compile_ms[0])
+
+
+def _same_graph_every_round(task: BlockTask, backend: Backend) -> None:
+    """Give every parameter a gradient to accumulate into, and materialize it.
+
+    Otherwise the first backward assigns the weight gradients and later ones add to
+    them: two different graphs, so on XLA the second would compile inside the timed
+    region. Accumulating is what a pipeline does for every microbatch but the first.
+    The incoming gradient (random, lazy on XLA) is materialized by the same sync.
+    """
+    for p in task.trainable():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    backend.sync()
+
+
+@contextmanager
+def _compile_clock(backend: Backend) -> Iterator[list[float]]:
+    """Yield ``[ms]``, set on exit to the compile time the body took (0 off XLA).
+
+    The backend's own compile counter where it has one (torch_xla's ``CompileTime``),
+    else the body's wall time on XLA (tracing + compiling + one run each).
+    """
+    result = [0.0]
+    before, start = backend.compile_clock_ms(), time.perf_counter()
+    yield result
+    after = backend.compile_clock_ms()
+    if before is not None and after is not None:
+        result[0] = after - before
+    elif backend.name == "xla":
+        result[0] = (time.perf_counter() - start) * 1e3
 
 
 def incoming_grad(task: BlockTask) -> torch.Tensor | None:
