@@ -96,7 +96,8 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                               scale_grads=token_loss is None)
     pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
                                schedule=schedule, plan=plan_obj, groups=groups, device=dev,
-                               token_loss=token_loss, tied=tied, aliases=aliases)
+                               token_loss=token_loss, tied=tied, aliases=aliases,
+                               pipe_stages=pipe_stages)
     if dist.get_rank() == 0:
         logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
     return pipelined

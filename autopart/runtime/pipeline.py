@@ -40,7 +40,8 @@ class PipelinedModel:
     def __init__(self, *, module: nn.Module, stage_modules: list[nn.Module],
                  stage_plans: list[StagePlan], schedule: Any, plan: Plan, groups: Groups,
                  device: torch.device, token_loss: TokenMeanLoss | None,
-                 tied: TiedWeight | None, aliases: dict[str, str]) -> None:
+                 tied: TiedWeight | None, aliases: dict[str, str],
+                 pipe_stages: list[Any] | None = None) -> None:
         self.module = module
         """This rank's blocks under their original FQNs (a pruned model tree)."""
         self.config = getattr(module, "config", None)
@@ -49,6 +50,8 @@ class PipelinedModel:
         self.stage_plans = stage_plans
         self.schedule = schedule
         """The ``torch.distributed.pipelining`` schedule object."""
+        self.pipe_stages = list(pipe_stages or [])
+        """This rank's ``PipelineStage`` objects in stage order (``autopart.verify`` times them)."""
         self.plan = plan
         self.groups = groups
         self.device = device

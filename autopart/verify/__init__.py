@@ -1,0 +1,29 @@
+"""Verify: run a plan for real, measure it against its prediction, calibrate the profile.
+
+``verify_plan(plan, RunSettings(model=...))`` spawns the plan's ranks (or runs in
+place under torchrun), trains a few steps on synthetic tokens, times every F/B/W
+and p2p wait, measures per-rank peak memory and returns a ``RunReport``;
+``calibrate_profile`` folds the measured stage times back into the profile;
+``write_comparison_trace`` puts the measured and simulated steps in one trace.
+"""
+
+from autopart.verify.build import predict
+from autopart.verify.calibrate import calibrate_profile
+from autopart.verify.report import RankReport, RunReport, StageReport
+from autopart.verify.run import check_model_matches, verify_plan
+from autopart.verify.trace import comparison_trace, write_comparison_trace
+from autopart.verify.worker import RunSettings
+
+# Public entry points of the verify phase; everything else is internal.
+__all__ = [
+    "RankReport",
+    "RunReport",
+    "RunSettings",
+    "StageReport",
+    "calibrate_profile",
+    "check_model_matches",
+    "comparison_trace",
+    "predict",
+    "verify_plan",
+    "write_comparison_trace",
+]

@@ -1,0 +1,117 @@
+"""Turn the per-rank measurements of a run into a ``RunReport`` beside the plan's prediction.
+
+The prediction is the simulator's run of the plan's own stage costs and link
+figures (``simulate(stage_costs_of_plan(plan), ...)``), so it is exactly what
+``autopart plan`` and ``autopart simulate`` show for this plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from autopart.cost import stage_costs_of_plan
+from autopart.schedules import schedule_info
+from autopart.schema import Plan, TrainingSetup
+from autopart.simulate import SimResult, simulate
+from autopart.verify.report import RankReport, RunReport, StageReport, plan_digest
+
+__all__ = ["build_report", "predict"]
+
+_COMPUTE = ("F", "LOSS", "B", "BW", "W")
+
+
+def predict(plan: Plan) -> SimResult:
+    """The simulated step of ``plan`` (its stage costs, schedule and link figures)."""
+    setup_keys = set(TrainingSetup.__dataclass_fields__)
+    setup = TrainingSetup(**{k: v for k, v in plan.setup.items() if k in setup_keys}) \
+        if plan.setup else TrainingSetup(pp_size=plan.pp_size,
+                                         num_microbatches=plan.num_microbatches)
+    return simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
+                    virtual_stages=plan.virtual_stages, num_microbatches=plan.num_microbatches,
+                    setup=setup)
+
+
+def build_report(plan: Plan, settings: Any, results: Sequence[dict[str, Any]]) -> RunReport:
+    """A ``RunReport`` from every rank's ``run_rank`` result (any order)."""
+    results = sorted(results, key=lambda r: r["rank"])
+    sim = predict(plan)
+    steps = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
+    train = [max(r["step_ms"][i] + r["optimizer_ms"][i] for r in results)
+             for i in range(len(steps))]
+    median_idx = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]
+    return RunReport(
+        plan_fingerprint=plan.profile_fingerprint, plan_digest=plan_digest(plan),
+        model=settings.model, schedule=plan.schedule, pp_size=plan.pp_size,
+        virtual_stages=plan.virtual_stages, num_microbatches=plan.num_microbatches,
+        micro_batch_size=plan.micro_batch_size, seq_len=plan.seq_len, steps=settings.steps,
+        warmup=settings.warmup, device=results[0]["device"],
+        num_threads_per_rank=results[0]["num_threads"],
+        memory_method=results[0]["memory_method"],
+        predicted_step_ms=sim.step_ms, measured_step_ms=statistics.median(steps),
+        measured_step_ms_spread=_spread(steps),
+        measured_train_step_ms=statistics.median(train),
+        stages=_stage_reports(plan, results),
+        ranks=tuple(_rank_report(r, sim) for r in results),
+        measured_events=tuple(
+            (r["rank"], *span) for r in results for span in r["spans"][median_idx]),
+    )
+
+
+def _stage_reports(plan: Plan, results: Sequence[dict[str, Any]]) -> tuple[StageReport, ...]:
+    """Median F (+ loss), B, W, full backward per stage over every timed step and microbatch."""
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in results:
+        for step in r["spans"]:
+            fwd: dict[tuple[int, int], float] = defaultdict(float)
+            for kind, stage, mb, start, end in step:
+                if kind in ("F", "LOSS"):
+                    fwd[stage, mb] += end - start
+                elif kind in _COMPUTE:
+                    samples[kind, stage].append(end - start)
+            for (stage, _), ms in fwd.items():
+                samples["F", stage].append(ms)
+    split = schedule_info(plan.schedule).split_backward
+    reports = []
+    for s in plan.stages:
+        f = _median(samples["F", s.index])
+        b, w = _median(samples["B", s.index]), _median(samples["W", s.index])
+        full = _median(samples["BW", s.index])
+        # Split schedules run most backwards as B then W, some (cooldown) as one full pass.
+        bwd = b + w if split and samples["B", s.index] else full
+        reports.append(StageReport(
+            index=s.index, rank=s.rank, predicted_fwd_ms=s.fwd_ms, measured_fwd_ms=f,
+            predicted_bwd_ms=s.bwd_ms, measured_bwd_ms=bwd,
+            predicted_bwd_input_ms=s.bwd_input_ms,
+            measured_bwd_input_ms=b if split and samples["B", s.index] else None,
+            predicted_bwd_weight_ms=s.bwd_weight_ms,
+            measured_bwd_weight_ms=w if split and samples["W", s.index] else None))
+    return tuple(reports)
+
+
+def _rank_report(result: dict[str, Any], sim: SimResult) -> RankReport:
+    busy = [sum(e - s for kind, *_, s, e in step if kind in _COMPUTE) for step in result["spans"]]
+    wait = [sum(e - s for kind, *_, s, e in step if kind == "WAIT") for step in result["spans"]]
+    rank = result["rank"]
+    memory = {k: int(v) for k, v in result["memory"].items()}
+    return RankReport(
+        rank=rank, stages=tuple(result["stages"]),
+        predicted_peak_memory_bytes=int(sim.rank_peak_memory_bytes[rank]),
+        measured_peak_memory_bytes=memory["peak_bytes"],
+        predicted_busy_ms=sim.rank_busy_ms[rank], measured_busy_ms=_median(busy),
+        predicted_idle_ms=sim.rank_idle_ms[rank], measured_wait_ms=_median(wait),
+        measured_optimizer_ms=_median(result["optimizer_ms"]), memory=memory)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _spread(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    med = statistics.median(values)
+    return (q[2] - q[0]) / med if med else 0.0

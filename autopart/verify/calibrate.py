@@ -1,0 +1,84 @@
+"""Fold measured stage times back into a profile, so the next plan uses what really ran.
+
+Every block of a stage is scaled by that stage's measured / predicted ratio:
+``fwd_ms`` by the forward ratio, ``bwd_input_ms`` and ``bwd_weight_ms`` by the B
+and W ratios under split-backward schedules, else both by the full-backward
+ratio (``bwd_ms`` follows). Memory figures are left as they are. The factors and
+the run they came from are recorded in ``Profile.calibration``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from autopart.errors import SchemaError
+from autopart.schema import BlockProfile, Plan, Profile
+from autopart.verify.report import RunReport, StageReport, plan_digest
+
+__all__ = ["calibrate_profile"]
+
+
+def calibrate_profile(profile: Profile, report: RunReport, plan: Plan,
+                      source: str = "") -> Profile:
+    """A copy of ``profile`` whose block times are scaled to the measured stage times.
+
+    ``plan`` must be the plan that ran (``report.plan_digest``) and made from this
+    profile's model (fingerprint); ``source`` names the run report in the record.
+    Raises ``SchemaError`` when they do not belong together.
+    """
+    _check(profile, report, plan)
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    blocks = list(profile.blocks)
+    factors = []
+    for stage, measured in zip(plan.stages, report.stages, strict=True):
+        ratio = _ratios(measured)
+        for name in stage.modules:
+            i = index[name]
+            blocks[i] = _scaled(blocks[i], ratio)
+        factors.append({"stage": stage.index, "first_block": stage.modules[0],
+                        "last_block": stage.modules[-1], **ratio})
+    previous = [profile.calibration] if profile.calibration else []
+    record = {"source": source, "plan_digest": report.plan_digest,
+              "schedule": report.schedule, "device": report.device,
+              "predicted_step_ms": report.predicted_step_ms,
+              "measured_step_ms": report.measured_step_ms, "factors": factors,
+              "previous": previous}
+    return dataclasses.replace(profile, blocks=tuple(blocks), calibration=record)
+
+
+def _check(profile: Profile, report: RunReport, plan: Plan) -> None:
+    if plan_digest(plan) != report.plan_digest:
+        raise SchemaError(f"the run report is of another plan (digest {report.plan_digest}, "
+                          f"this plan's is {plan_digest(plan)}); pass the plan that was verified")
+    if profile.model.fingerprint != plan.profile_fingerprint:
+        raise SchemaError(f"the plan was made for another model (fingerprint "
+                          f"{plan.profile_fingerprint}, the profile's is "
+                          f"{profile.model.fingerprint}); pass the profile the plan came from")
+    names = {b.name for b in profile.blocks}
+    missing = [m for s in plan.stages for m in s.modules if m not in names]
+    if missing or len(report.stages) != len(plan.stages):
+        raise SchemaError(f"plan and profile do not match (blocks {missing[:3]}, "
+                          f"{len(report.stages)} measured stages for {len(plan.stages)})")
+
+
+def _ratios(stage: StageReport) -> dict[str, float]:
+    """measured / predicted for F, B and W of one stage (1.0 where nothing was predicted)."""
+    def ratio(measured: float | None, predicted: float) -> float:
+        if measured is None or predicted <= 0 or measured <= 0:
+            return 1.0
+        return measured / predicted
+
+    full = ratio(stage.measured_bwd_ms, stage.predicted_bwd_ms)
+    return {"fwd": ratio(stage.measured_fwd_ms, stage.predicted_fwd_ms),
+            "bwd_input": ratio(stage.measured_bwd_input_ms, stage.predicted_bwd_input_ms)
+            if stage.measured_bwd_input_ms is not None else full,
+            "bwd_weight": ratio(stage.measured_bwd_weight_ms, stage.predicted_bwd_weight_ms)
+            if stage.measured_bwd_weight_ms is not None else full}
+
+
+def _scaled(block: BlockProfile, ratio: dict[str, Any]) -> BlockProfile:
+    bwd_in = block.bwd_input_ms * ratio["bwd_input"]
+    bwd_w = block.bwd_weight_ms * ratio["bwd_weight"]
+    return dataclasses.replace(block, fwd_ms=block.fwd_ms * ratio["fwd"], bwd_input_ms=bwd_in,
+                               bwd_weight_ms=bwd_w, bwd_ms=bwd_in + bwd_w)

@@ -1,0 +1,121 @@
+"""Timers on a running torch pipeline: per-action compute spans and p2p waits of one rank.
+
+``StepRecorder.attach(pipe)`` wraps, on this rank's ``PipelineStage`` instances,
+``forward_one_chunk`` (``F``), ``backward_one_chunk`` (``B`` when
+``full_backward=False``, else ``BW``: the full backward) and
+``backward_weight_one_chunk`` (``W``); on the schedule instance
+``_maybe_compute_loss`` (``LOSS``, counted as part of the last stage's ``F``); and
+the module-level ``torch.distributed.pipelining.schedules._wait_batch_p2p``
+(``WAIT``: time blocked on sends/receives). Spans are kept in milliseconds from
+the start of the current step (``begin_step``). ``detach`` restores everything.
+
+On CUDA each span synchronizes the device before it reads the clock, so a span is
+the kernels' time, not the launch time.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import schedules as torch_schedules
+
+__all__ = ["Span", "StepRecorder"]
+
+COMPUTE_KINDS = ("F", "LOSS", "B", "BW", "W")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One timed call on one rank, in ms from the start of its step."""
+
+    kind: str
+    """``F``, ``LOSS``, ``B``, ``BW`` (full backward), ``W`` or ``WAIT``."""
+    stage_idx: int
+    """The stage that ran it (-1 for ``WAIT``)."""
+    microbatch_idx: int
+    """-1 for ``WAIT``."""
+    start_ms: float
+    end_ms: float
+
+    @property
+    def duration_ms(self) -> float:
+        """``end_ms - start_ms``."""
+        return self.end_ms - self.start_ms
+
+
+class StepRecorder:
+    """Records the spans of this rank's pipeline actions, step by step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" \
+            else (lambda: None)
+        self._t0 = time.perf_counter()
+        self.steps: list[list[Span]] = []
+        """Spans of every step since ``attach``, one list per ``begin_step``."""
+        self._restore: list[tuple[Any, str, Any]] = []
+        self.enabled = True
+
+    def begin_step(self) -> None:
+        """Start a new step: later spans are timed from now."""
+        self._sync()
+        self._t0 = time.perf_counter()
+        self.steps.append([])
+
+    def attach(self, pipe: Any) -> StepRecorder:
+        """Wrap the stages, the schedule and the p2p wait of ``pipe`` (a ``PipelinedModel``)."""
+        if not pipe.pipe_stages:
+            raise RuntimeError("the PipelinedModel exposes no pipe_stages to time")
+        for stage in pipe.pipe_stages:
+            idx = stage.stage_index
+            self._wrap(stage, "forward_one_chunk", lambda a, kw, i=idx: ("F", i, a[0]))
+            self._wrap(stage, "backward_one_chunk", lambda a, kw, i=idx: (
+                "BW" if kw.get("full_backward", a[2] if len(a) > 2 else True) else "B", i,
+                a[0]))
+            self._wrap(stage, "backward_weight_one_chunk", lambda a, kw, i=idx: ("W", i, a[0]))
+        self._wrap(pipe.schedule, "_maybe_compute_loss", _loss_label)
+        self._wrap(torch_schedules, "_wait_batch_p2p",
+                   lambda a, kw: ("WAIT", -1, -1) if a and a[0] else None)
+        return self
+
+    def detach(self) -> None:
+        """Undo every wrapper ``attach`` installed."""
+        for owner, name, original in reversed(self._restore):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._restore.clear()
+
+    def _wrap(self, owner: Any, name: str, label: Callable[[tuple, dict], Any]) -> None:
+        original = getattr(owner, name)
+        own = owner.__dict__.get(name) if hasattr(owner, "__dict__") else None
+        self._restore.append((owner, name, own))
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            tag = label(args, kwargs) if self.enabled and self.steps else None
+            if tag is None:
+                return original(*args, **kwargs)
+            self._sync()
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            self._sync()
+            end = time.perf_counter()
+            self.steps[-1].append(Span(tag[0], tag[1], int(tag[2]), 1e3 * (start - self._t0),
+                                       1e3 * (end - self._t0)))
+            return out
+
+        setattr(owner, name, timed)
+
+
+def _loss_label(args: tuple, kwargs: dict) -> tuple[str, int, int] | None:
+    """``_maybe_compute_loss(stage, output, target_mbs, mb_index, ...)``: only last stages."""
+    stage = args[0]
+    if not stage.is_last:
+        return None
+    return "LOSS", stage.stage_index, args[3]

@@ -1,0 +1,151 @@
+"""``verify_plan``: run a plan for real on ``pp_size`` ranks and compare it with its prediction.
+
+Outside a launcher it spawns the ranks itself (``torch.multiprocessing``; gloo on
+CPU, nccl with one GPU per rank when CUDA is present); under torchrun
+(``WORLD_SIZE``/``RANK`` set) it runs in place on every rank and returns the report
+on rank 0 only. Every collective has a timeout. Checks that can fail (plan file,
+world size, model fingerprint) run before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart.errors import AutopartError, RuntimeSetupError
+from autopart.schema import Plan
+from autopart.verify.build import build_report
+from autopart.verify.report import RunReport
+from autopart.verify.worker import RunSettings, run_rank
+
+__all__ = ["verify_plan"]
+
+logger = logging.getLogger(__name__)
+
+
+def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
+                nproc: int | None = None) -> RunReport | None:
+    """Run ``plan`` on ``settings.model`` and return the ``RunReport`` (``None`` off rank 0).
+
+    ``nproc`` defaults to the plan's ``pp_size`` and must equal it. Raises
+    ``AutopartError`` subclasses (one line) for a missing plan, a world size that is
+    not the plan's, a model the plan was not made for, or a rank failing that way.
+    """
+    plan_obj = plan if isinstance(plan, Plan) else Plan.load(plan)
+    in_place = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if in_place else (nproc or plan_obj.pp_size)
+    if world != plan_obj.pp_size:
+        where = "WORLD_SIZE" if in_place else "--nproc"
+        raise RuntimeSetupError(f"{where} is {world} but the plan has pp_size "
+                                f"{plan_obj.pp_size} (data parallelism is not verified); "
+                                f"run {plan_obj.pp_size} ranks")
+    check_model_matches(plan_obj, settings.model)
+    if in_place:
+        return _run_in_place(plan_obj, settings)
+    return _spawn(plan_obj, settings, world)
+
+
+def check_model_matches(plan: Plan, model: str) -> None:
+    """Raise ``RuntimeSetupError`` unless ``model``'s block chain has the plan's fingerprint."""
+    from autopart.intake import discover_blocks, load_model
+
+    chain = discover_blocks(load_model(model).model)
+    if chain.fingerprint != plan.profile_fingerprint:
+        raise RuntimeSetupError(f"the plan was made for another model (fingerprint "
+                                f"{plan.profile_fingerprint}, {model!r} has "
+                                f"{chain.fingerprint}); profile and plan {model!r} first")
+
+
+def _run_in_place(plan: Plan, settings: RunSettings) -> RunReport | None:
+    device = _device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(device), timeout=timedelta(seconds=settings.timeout_s))
+    result = run_rank(plan, settings, device)
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(result, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return build_report(plan, settings, gathered)
+
+
+def _spawn(plan: Plan, settings: RunSettings, world: int) -> RunReport:
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    with tempfile.TemporaryDirectory(prefix="autopart-verify-") as tmp:
+        plan_path = Path(tmp) / "plan.json"
+        plan.save(plan_path)
+        try:
+            mp.spawn(_spawned_rank, args=(world, _free_port(), str(plan_path), settings, tmp),
+                     nprocs=world, join=True)
+        except ProcessException as exc:  # a rank failed: show its own one-line error
+            raise _rank_error(Path(tmp), exc) from None
+        results = json.loads((Path(tmp) / "results.json").read_text())
+    return build_report(plan, settings, results)
+
+
+def _spawned_rank(rank: int, world: int, port: int, plan_path: str, settings: RunSettings,
+                  tmp: str) -> None:
+    """Entry point of a spawned rank: set up the group, run, rank 0 writes all results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    device = _device(rank)
+    try:
+        dist.init_process_group(_backend(device), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=settings.timeout_s))
+        result = run_rank(Plan.load(plan_path), settings, device)
+        gathered: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(result, gathered if rank == 0 else None, dst=0)
+        if rank == 0:
+            (Path(tmp) / "results.json").write_text(json.dumps(gathered))
+    except AutopartError as exc:
+        (Path(tmp) / f"error_rank{rank}.txt").write_text(f"rank {rank}: {exc}")
+        raise
+    except Exception:
+        (Path(tmp) / f"crash_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rank_error(tmp: Path, exc: Exception) -> AutopartError:
+    errors = sorted(tmp.glob("error_rank*.txt"))
+    if errors:
+        return RuntimeSetupError(errors[0].read_text().strip())
+    crashes = sorted(tmp.glob("crash_rank*.txt"))
+    if crashes:
+        last = crashes[0].read_text().strip().splitlines()[-1]
+        logger.error("%s", crashes[0].read_text())
+        return RuntimeSetupError(f"{crashes[0].stem.split('_')[1]} crashed: {last}; rerun with "
+                                 f"--debug -v for the traceback")
+    return RuntimeSetupError(f"a rank failed ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[-1] if str(exc) else ''})")
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,164 @@
+"""What every rank does under ``verify_plan``: build its stages, train, time, measure memory.
+
+Each rank builds its stages with ``auto_pipeline(model, plan=plan)``, trains
+``warmup + steps`` steps on synthetic token ids (labels = ids) of the plan's
+batch (``micro_batch_size * num_microbatches`` x ``seq_len``) with the plan's
+optimizer (adam -> AdamW, sgd -> SGD with momentum, none -> no update), timing
+each step between barriers and every F/B/W and p2p wait inside it
+(``StepRecorder``). A last, untimed step measures memory. The result is a plain
+dict (JSON-able) gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart.errors import RuntimeSetupError
+from autopart.schema import Plan
+from autopart.verify.instrument import StepRecorder
+from autopart.verify.memory import CPU_METHOD, CUDA_METHOD, measure_step_memory
+
+__all__ = ["RunSettings", "run_rank"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSettings:
+    """How to run a plan for verification."""
+
+    model: str
+    """Model source (preset, HF config path, ...) as ``auto_pipeline`` takes it."""
+    steps: int = 5
+    """Timed steps."""
+    warmup: int = 2
+    """Untimed steps first (shape inference, allocator and thread-pool warm-up)."""
+    threads_per_rank: int = 1
+    """``torch.set_num_threads`` in each rank (CPU)."""
+    timeout_s: float = 300.0
+    """Timeout of every collective."""
+    seed: int = 0
+    lr: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise RuntimeSetupError(f"--steps must be >= 1, got {self.steps}")
+        if self.warmup < 0:
+            raise RuntimeSetupError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.threads_per_rank < 1:
+            raise RuntimeSetupError(f"--threads-per-rank must be >= 1, got "
+                                    f"{self.threads_per_rank}")
+
+
+def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[str, Any]:
+    """Run the plan on this rank; return its measurements (see the module docstring)."""
+    from autopart.runtime import auto_pipeline
+
+    torch.set_num_threads(settings.threads_per_rank)
+    torch.manual_seed(settings.seed)
+    pipe = auto_pipeline(settings.model, plan=plan, device=device)
+    if pipe.config is None:
+        raise RuntimeSetupError(f"autopart verify trains HF causal LMs on synthetic tokens; "
+                                f"{settings.model!r} is not one (give an HF preset or config)")
+    optimizer = _make_optimizer(plan.setup.get("optimizer", "adam"), pipe.parameters(),
+                                settings.lr)
+    ids = _synthetic_ids(plan, pipe.config.vocab_size, settings.seed)
+    ids = ids.to(device)
+
+    def run_step() -> None:
+        pipe.step(ids, target=ids)
+
+    recorder = StepRecorder(device).attach(pipe)
+    step_ms, optimizer_ms = [], []
+    try:
+        for _ in range(settings.warmup + settings.steps):
+            total, opt = _timed_step(run_step, pipe, optimizer, recorder, device)
+            step_ms.append(total)
+            optimizer_ms.append(opt)
+        recorder.enabled = False
+        _zero_grad(pipe, optimizer)
+        memory = measure_step_memory(run_step, pipe, optimizer, device)
+    finally:
+        recorder.detach()
+    timed = slice(settings.warmup, None)
+    return {
+        "rank": pipe.groups.pp_rank,
+        "stages": [s.index for s in pipe.stage_plans],
+        "step_ms": step_ms[timed],
+        "optimizer_ms": optimizer_ms[timed],
+        "spans": [[list(_span_row(s)) for s in step] for step in recorder.steps[timed]],
+        "memory": memory,
+        "memory_method": CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
+        "device": _device_name(device),
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def _timed_step(run_step, pipe, optimizer, recorder: StepRecorder,
+                device: torch.device) -> tuple[float, float]:
+    """One step fenced by a barrier: (pipeline step ms, optimizer step ms) on this rank."""
+    _zero_grad(pipe, optimizer)
+    dist.barrier(group=pipe.groups.pp_group)
+    recorder.begin_step()
+    start = time.perf_counter()
+    run_step()
+    _sync(device)
+    mid = time.perf_counter()
+    if optimizer is not None:
+        optimizer.step()
+        _sync(device)
+    end = time.perf_counter()
+    return 1e3 * (mid - start), 1e3 * (end - mid)
+
+
+def _make_optimizer(name: str, params: list, lr: float):
+    if name == "adam":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "none":
+        return None
+    raise RuntimeSetupError(f"plan optimizer {name!r} is not adam, sgd or none; regenerate "
+                            f"the plan")
+
+
+def _zero_grad(pipe, optimizer) -> None:
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in pipe.parameters():
+            p.grad = None
+
+
+def _synthetic_ids(plan: Plan, vocab_size: int, seed: int) -> torch.Tensor:
+    """The same random batch on every rank: (mbs * m) x seq_len token ids."""
+    if plan.micro_batch_size < 1 or plan.seq_len < 1:
+        raise RuntimeSetupError("the plan does not record micro_batch_size / seq_len; "
+                                "regenerate it with `autopart plan`")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (plan.micro_batch_size * plan.num_microbatches, plan.seq_len)
+    return torch.randint(0, vocab_size, shape, generator=gen)
+
+
+def _span_row(span) -> tuple:
+    return (span.kind, span.stage_idx, span.microbatch_idx, round(span.start_ms, 4),
+            round(span.end_ms, 4))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"

@@ -1,0 +1,130 @@
+"""``autopart verify PLAN --model MODEL``: run a plan for real and compare it with its prediction.
+
+Spawns the plan's ranks (or runs in place under torchrun), trains ``--steps``
+steps after ``--warmup`` on synthetic tokens, and prints per stage predicted vs
+measured F and B (W) ms, per rank predicted vs measured peak memory, busy and
+wait, then the step time, each with its error. ``--json`` writes the run report,
+``--trace`` one Perfetto trace of the measured and simulated steps, ``--profile P
+--calibrated-profile OUT`` the profile with the measured stage times folded in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from autopart.errors import RuntimeSetupError
+from autopart.schema import Plan, Profile
+from autopart.verify import (
+    RunReport,
+    RunSettings,
+    calibrate_profile,
+    predict,
+    verify_plan,
+    write_comparison_trace,
+)
+from cli._format import gib
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``verify`` command."""
+    p = sub.add_parser("verify", help="run a plan for real and compare with its prediction",
+                       description="Run PLAN on MODEL for a few steps on synthetic tokens; "
+                                   "measure per stage F/B/W, per rank peak memory and the step "
+                                   "time, and compare them with what the plan predicted.")
+    p.add_argument("plan", metavar="PLAN", help="plan JSON written by `autopart plan`")
+    p.add_argument("--model", required=True, help="the model the plan is for (preset, path)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn (default and only allowed value: the plan's pp)")
+    p.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
+                   help="torch threads per rank (default: CPU cores / ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="timeout of every collective in seconds")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the run report here")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="write one Perfetto trace: measured and simulated step")
+    p.add_argument("--profile", default=None, metavar="PROFILE",
+                   help="the profile the plan was made from (for --calibrated-profile)")
+    p.add_argument("--calibrated-profile", default=None, metavar="OUT",
+                   help="write PROFILE with the measured stage times folded in")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Verify, print the comparison, write the requested files."""
+    if bool(args.profile) != bool(args.calibrated_profile):
+        raise RuntimeSetupError("--profile and --calibrated-profile go together; give both")
+    plan = Plan.load(args.plan)
+    profile = Profile.load(args.profile) if args.profile else None
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // plan.pp_size)
+    settings = RunSettings(model=args.model, steps=args.steps, warmup=args.warmup,
+                           threads_per_rank=threads, timeout_s=args.timeout)
+    report = verify_plan(plan, settings, nproc=args.nproc)
+    if report is None:  # a non-zero rank under torchrun
+        return 0
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    print_report(report, console)
+    if args.json:
+        report.save(args.json)
+        console.print(f"run report written to {args.json}")
+    if args.trace:
+        write_comparison_trace(report, predict(plan), args.trace)
+        console.print(f"trace (measured + simulated) written to {args.trace}")
+    if profile is not None:
+        calibrate_profile(profile, report, plan, source=args.json or "").save(
+            args.calibrated_profile)
+        console.print(f"calibrated profile written to {args.calibrated_profile}")
+    return 0
+
+
+def print_report(report: RunReport, console: Console) -> None:
+    """The stage, rank and step comparison tables of ``report``."""
+    title = (f"{report.model}: pp={report.pp_size}, {report.schedule}, "
+             f"m={report.num_microbatches}, {report.steps} steps on {report.device}, "
+             f"{report.num_threads_per_rank} thread(s)/rank")
+    stages = Table(title=title + " -- per microbatch")
+    for col in ("stage", "rank", "F pred", "F meas", "F err", "B pred", "B meas", "B err",
+                "W pred", "W meas", "W err"):
+        stages.add_column(col, justify="right")
+    for s in report.stages:
+        w = ([f"{s.predicted_bwd_weight_ms:.2f}", f"{s.measured_bwd_weight_ms:.2f}",
+              _err(s.predicted_bwd_weight_ms, s.measured_bwd_weight_ms)]
+             if s.measured_bwd_weight_ms is not None else ["", "", ""])
+        b_pred, b_meas = ((s.predicted_bwd_input_ms, s.measured_bwd_input_ms)
+                          if s.measured_bwd_input_ms is not None
+                          else (s.predicted_bwd_ms, s.measured_bwd_ms))
+        stages.add_row(str(s.index), str(s.rank), f"{s.predicted_fwd_ms:.2f}",
+                       f"{s.measured_fwd_ms:.2f}", _err(s.predicted_fwd_ms, s.measured_fwd_ms),
+                       f"{b_pred:.2f}", f"{b_meas:.2f}", _err(b_pred, b_meas), *w)
+    console.print(stages)
+    if all(s.measured_bwd_input_ms is None for s in report.stages):
+        console.print("B = full backward (B + W): this schedule does not split them")
+    ranks = Table(title="per rank, one step")
+    for col in ("rank", "mem pred", "mem meas", "mem err", "busy pred", "busy meas",
+                "idle pred", "wait meas", "optimizer"):
+        ranks.add_column(col, justify="right")
+    for r in report.ranks:
+        ranks.add_row(str(r.rank), gib(r.predicted_peak_memory_bytes),
+                      gib(r.measured_peak_memory_bytes),
+                      _err(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes),
+                      f"{r.predicted_busy_ms:.1f}", f"{r.measured_busy_ms:.1f}",
+                      f"{r.predicted_idle_ms:.1f}", f"{r.measured_wait_ms:.1f}",
+                      f"{r.measured_optimizer_ms:.1f}")
+    console.print(ranks)
+    console.print(f"memory measured as: {report.memory_method}", highlight=False)
+    console.print(f"step: predicted [bold]{report.predicted_step_ms:.1f} ms[/], measured "
+                  f"[bold]{report.measured_step_ms:.1f} ms[/] (spread "
+                  f"{100 * report.measured_step_ms_spread:.1f}%), error "
+                  f"{_err(report.predicted_step_ms, report.measured_step_ms)}; with the "
+                  f"optimizer step (not predicted): {report.measured_train_step_ms:.1f} ms")
+
+
+def _err(predicted: float, measured: float | None) -> str:
+    if not measured:
+        return ""
+    return f"{100 * (predicted - measured) / measured:+.1f}%"
