@@ -226,11 +226,13 @@ def _propose(setting: _Setting, name: str, pp_size: int, num_virtual: int, m: in
         bounds = baseline_split(partition, setting.profile.blocks, num_stages)
         return [(evaluate_split(setting.arrays, setting.setup, bounds=bounds, **common),
                  {"name": partition, "status": "heuristic"})]
-    out = [(evaluate_split(setting.arrays, setting.setup, bounds=bounds, **common),
-            {"name": name, "status": "baseline"})
-           for name in BASELINES
-           if legal(bounds := tuple(baseline_split(name, setting.profile.blocks, num_stages)),
-                    setting.allowed)]
+    # The baselines seed the local search; listed after the solvers so ties credit them.
+    seeds = [(evaluate_split(setting.arrays, setting.setup, bounds=bounds, **common),
+              {"name": name, "status": "baseline"})
+             for name in BASELINES
+             if legal(bounds := tuple(baseline_split(name, setting.profile.blocks, num_stages)),
+                      setting.allowed)]
+    out = []
     in_flight = max_in_flight(name, pp_size, num_virtual, m)
     limit = setting.setup.memory_limit_bytes
     # Split-backward schedules run B and W as separate autograd passes, and each pass
@@ -266,7 +268,7 @@ def _propose(setting: _Setting, name: str, pp_size: int, num_virtual: int, m: in
                                        recompute=ilp.recompute, **common),
                         {"name": "ilp", "status": ilp.status, "gap": ilp.gap,
                          "backend": ilp.backend, "objective_ms": ilp.objective_ms}))
-    return out
+    return out + seeds
 
 
 def _refined(settings: dict[int, _Setting], fitting: list[tuple[Evaluated, dict]],
