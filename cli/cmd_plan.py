@@ -144,16 +144,20 @@ def _print_table(plan: Plan, console: Console) -> None:
                       f"{base.get('speedup', 0):.3f}x{fits}")
     for note in plan.notes:
         console.print(f"note: {note}")
-    console.print("pipeline_cuts = " + json.dumps(list(plan.pipeline_cuts)), highlight=False)
+    console.print("pipeline_cuts = " + json.dumps(list(plan.pipeline_cuts)), highlight=False,
+                  soft_wrap=True)
 
 
 def _solver_text(plan: Plan) -> str:
     info = plan.solver or {}
-    text = f"{info.get('name', '?')}, {info.get('status', '?')}"
+    if info.get("status") == "baseline":
+        text = f"seeded by the {info.get('name')} split"
+    else:
+        text = f"{info.get('name', '?')}, {info.get('status', '?')}"
     if info.get("gap"):
         text += f", gap {100 * info['gap']:.1f}%"
     if info.get("refined"):
-        text += f"; local search made it {100 * info['refine_gain']:.1f}% faster"
+        text += f", then local search: {100 * info['refine_gain']:.1f}% faster"
     return text
 
 
