@@ -5,9 +5,10 @@
 * ``cuda``: CUDA events around each call (GPU time, no host sync inside the region);
   saved activations from saved-tensor hooks, transient workspace from the caching
   allocator (``reset_peak_memory_stats`` / ``max_memory_allocated``).
-* ``xla``: ``xm.mark_step()`` + ``xm.wait_device_ops()`` closes each timed region;
-  each block is compiled by its first warm-up run, outside the timed region, and
-  that time is recorded as ``compile_ms``. XLA tensors have no storages, so saved
+* ``xla``: ``xm.mark_step()`` (``torch_xla.sync()``) + ``xm.wait_device_ops()``
+  closes each timed region; each block is compiled by its warm-up run, outside the
+  timed region, and torch_xla's ``CompileTime`` metric over the warm-up is recorded
+  as ``compile_ms``. XLA tensors have no storages, so saved
   activations and transient workspace are computed from shapes on meta; where
   ``xm.get_memory_info`` reports ``bytes_used``, the bytes a forward leaves on the
   device are measured instead (``memory_source`` says which). ``torch_xla`` is
