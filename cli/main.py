@@ -15,7 +15,7 @@ import sys
 from autopart.errors import AutopartError
 
 # Command modules, in the order `autopart --help` lists them.
-_COMMANDS = ("profile", "plan", "simulate", "verify")
+_COMMANDS = ("profile", "plan", "simulate", "verify", "calibrate")
 
 
 def _load_commands() -> dict[str, object]:

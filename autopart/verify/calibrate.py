@@ -19,23 +19,23 @@ from autopart.verify.report import RunReport, StageReport, plan_digest
 __all__ = ["calibrate_profile"]
 
 
-def calibrate_profile(profile: Profile, report: RunReport, plan: Plan,
+def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = None,
                       source: str = "") -> Profile:
     """A copy of ``profile`` whose block times are scaled to the measured stage times.
 
-    ``plan`` must be the plan that ran (``report.plan_digest``) and made from this
-    profile's model (fingerprint); ``source`` names the run report in the record.
-    Raises ``SchemaError`` when they do not belong together.
+    The report must be of a plan made from this profile's model (fingerprint);
+    ``plan``, when given, must be the plan that ran (``report.plan_digest``);
+    ``source`` names the run report in the record. Raises ``SchemaError`` when they
+    do not belong together.
     """
     _check(profile, report, plan)
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     blocks = list(profile.blocks)
     factors = []
-    for stage, measured in zip(plan.stages, report.stages, strict=True):
-        ratio = _ratios(measured)
+    for stage in report.stages:
+        ratio = _ratios(stage)
         for name in stage.modules:
-            i = index[name]
-            blocks[i] = _scaled(blocks[i], ratio)
+            blocks[index[name]] = _scaled(blocks[index[name]], ratio)
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
                         "last_block": stage.modules[-1], **ratio})
     previous = [profile.calibration] if profile.calibration else []
@@ -47,19 +47,19 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan,
     return dataclasses.replace(profile, blocks=tuple(blocks), calibration=record)
 
 
-def _check(profile: Profile, report: RunReport, plan: Plan) -> None:
-    if plan_digest(plan) != report.plan_digest:
+def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
+    if plan is not None and plan_digest(plan) != report.plan_digest:
         raise SchemaError(f"the run report is of another plan (digest {report.plan_digest}, "
                           f"this plan's is {plan_digest(plan)}); pass the plan that was verified")
-    if profile.model.fingerprint != plan.profile_fingerprint:
-        raise SchemaError(f"the plan was made for another model (fingerprint "
-                          f"{plan.profile_fingerprint}, the profile's is "
+    if profile.model.fingerprint != report.plan_fingerprint:
+        raise SchemaError(f"the run was of a plan for another model (fingerprint "
+                          f"{report.plan_fingerprint}, the profile's is "
                           f"{profile.model.fingerprint}); pass the profile the plan came from")
     names = {b.name for b in profile.blocks}
-    missing = [m for s in plan.stages for m in s.modules if m not in names]
-    if missing or len(report.stages) != len(plan.stages):
-        raise SchemaError(f"plan and profile do not match (blocks {missing[:3]}, "
-                          f"{len(report.stages)} measured stages for {len(plan.stages)})")
+    missing = [m for s in report.stages for m in s.modules if m not in names]
+    if missing:
+        raise SchemaError(f"the run report names blocks the profile lacks ({missing[:3]}); "
+                          f"pass the profile the plan came from")
 
 
 def _ratios(stage: StageReport) -> dict[str, float]:

@@ -29,6 +29,8 @@ class StageReport:
 
     index: int
     rank: int
+    modules: tuple[str, ...]
+    """Block FQNs of the stage, in order."""
     predicted_fwd_ms: float
     measured_fwd_ms: float
     """Forward, plus the loss on the last stage (the profile counts the loss in the head)."""

@@ -1,0 +1,160 @@
+"""Run reports, report building, calibration and the comparison trace, without processes.
+
+Calibration is checked against hand-computed products on a synthetic profile; the
+report builder against medians computed by hand from synthetic per-rank spans.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopart.errors import SchemaError
+from autopart.solve import make_plan
+from autopart.verify import (
+    RunReport,
+    RunSettings,
+    calibrate_profile,
+    comparison_trace,
+    predict,
+)
+from autopart.verify.build import build_report
+from cli.main import main
+from tests.solve_helpers import llama_like
+
+REQUIRED = ("predicted_step_ms", "measured_step_ms", "schema_version", "plan_fingerprint",
+            "steps", "memory_method", "device", "stages", "ranks")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return llama_like(4, head_ms=4.0)
+
+
+@pytest.fixture(scope="module")
+def plan(profile):
+    return make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b")
+
+
+def _rank_result(plan, rank: int, scale: float) -> dict:
+    """Synthetic ``run_rank`` output: two steps whose spans are ``scale`` x the plan's times."""
+    (stage,) = plan.stages_of_rank(rank)
+    steps = []
+    for step in range(2):
+        spans, t = [], 0.0
+        for mb in range(plan.num_microbatches):
+            f = scale * stage.fwd_ms * (1 + step)  # step 1 twice as slow: medians over both
+            spans += [["F", stage.index, mb, t, t + 0.8 * f], ["LOSS", stage.index, mb,
+                      t + 0.8 * f, t + f]] if stage.index == 1 else [["F", 0, mb, t, t + f]]
+            t += f
+            spans.append(["BW", stage.index, mb, t, t + scale * stage.bwd_ms * (1 + step)])
+            t += scale * stage.bwd_ms * (1 + step)
+        spans.append(["WAIT", -1, -1, t, t + 1.0])
+        steps.append(spans)
+    return {"rank": rank, "stages": [stage.index], "step_ms": [100.0, 110.0 + rank],
+            "optimizer_ms": [5.0, 5.0], "spans": steps,
+            "memory": {"peak_bytes": 1000 + rank, "params_bytes": 1000 + rank},
+            "memory_method": "test", "device": "cpu (test)", "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def report(plan):
+    settings = RunSettings(model="synthetic", steps=2, warmup=0)
+    return build_report(plan, settings, [_rank_result(plan, 1, 3.0), _rank_result(plan, 0, 2.0)])
+
+
+def test_report_medians_and_prediction(plan, report):
+    """Stage F (+ loss) and full backward are the medians of both steps; the step is the
+    median of the slowest rank's steps; predictions come from the simulator."""
+    assert report.predicted_step_ms == pytest.approx(predict(plan).step_ms)
+    assert report.measured_step_ms == pytest.approx((100.0 + 111.0) / 2)
+    for stage, scale in zip(report.stages, (2.0, 3.0)):
+        planned = plan.stages[stage.index]
+        assert stage.modules == planned.modules
+        assert stage.measured_fwd_ms == pytest.approx(scale * planned.fwd_ms * 1.5)
+        assert stage.measured_bwd_ms == pytest.approx(scale * planned.bwd_ms * 1.5)
+        assert stage.measured_bwd_input_ms is None
+    assert [r.rank for r in report.ranks] == [0, 1]
+    assert report.ranks[1].measured_peak_memory_bytes == 1001
+    assert report.ranks[0].measured_wait_ms == pytest.approx(1.0)
+    assert len(report.measured_events) == sum(1 + 2 * 4 + 4 * (s.index == 1) for s in plan.stages)
+
+
+def test_report_json_round_trip_has_required_keys(report, tmp_path):
+    path = tmp_path / "run.json"
+    report.save(path)
+    data = json.loads(path.read_text())
+    assert set(REQUIRED) <= set(data)
+    for rank in data["ranks"]:
+        assert {"predicted_peak_memory_bytes", "measured_peak_memory_bytes"} <= set(rank)
+    assert RunReport.load(path) == report
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(schema_version=99), "schema_version 99"),
+    (lambda d: d.pop("measured_step_ms"), "measured_step_ms"),
+    (lambda d: d["ranks"][0].pop("measured_peak_memory_bytes"), "measured_peak_memory_bytes"),
+])
+def test_report_load_rejects_bad_files(report, tmp_path, edit, match):
+    data = json.loads(report.to_json())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=match):
+        RunReport.load(path)
+    with pytest.raises(SchemaError, match="does not exist"):
+        RunReport.load(tmp_path / "missing.json")
+
+
+def test_calibration_scales_each_stage_exactly(profile, plan, report):
+    """Blocks of stage 0 get x3 (2 x the 1.5 median), stage 1 x4.5; memory untouched."""
+    calibrated = calibrate_profile(profile, report, plan, source="run.json")
+    factor = {m: 3.0 if s.index == 0 else 4.5 for s in plan.stages for m in s.modules}
+    for old, new in zip(profile.blocks, calibrated.blocks):
+        assert new.fwd_ms == pytest.approx(factor[old.name] * old.fwd_ms, rel=1e-12)
+        assert new.bwd_input_ms == pytest.approx(factor[old.name] * old.bwd_input_ms, rel=1e-12)
+        assert new.bwd_weight_ms == pytest.approx(factor[old.name] * old.bwd_weight_ms, rel=1e-12)
+        assert new.bwd_ms == pytest.approx(new.bwd_input_ms + new.bwd_weight_ms)
+        assert new.activation_bytes == old.activation_bytes
+    record = calibrated.calibration
+    assert record["source"] == "run.json" and len(record["factors"]) == 2
+    assert record["factors"][1]["fwd"] == pytest.approx(4.5)
+    replanned = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule="1f1b",
+                          partition="even")
+    even = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b", partition="even")
+    assert replanned.stages[0].fwd_ms == pytest.approx(3.0 * even.stages[0].fwd_ms)
+
+
+def test_calibration_rejects_another_plan(profile, plan, report):
+    other = make_plan(profile, pp_size=2, num_microbatches=8, schedule="1f1b")
+    with pytest.raises(SchemaError, match="another plan"):
+        calibrate_profile(profile, report, other)
+    with pytest.raises(SchemaError, match="another model"):
+        calibrate_profile(llama_like(6), report)
+
+
+def test_comparison_trace_holds_measured_and_simulated(plan, report):
+    trace = comparison_trace(report, predict(plan))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"measured", "simulated", "simulated sends"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sum(e["pid"] == 0 for e in spans) == len(report.measured_events)
+    assert sum(e["pid"] == 1 for e in spans) == 2 * 2 * plan.num_microbatches
+    assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_calibrate_command(profile, plan, report, tmp_path, capsys):
+    paths = {name: tmp_path / f"{name}.json" for name in ("profile", "plan", "run", "out")}
+    profile.save(paths["profile"])
+    plan.save(paths["plan"])
+    report.save(paths["run"])
+    assert main(["calibrate", str(paths["profile"]), str(paths["run"]), "--plan",
+                 str(paths["plan"]), "--out", str(paths["out"])]) == 0
+    assert "stage 1" in capsys.readouterr().out
+    assert json.loads(paths["out"].read_text())["calibration"]["plan_digest"] == \
+        report.plan_digest
+    assert main(["calibrate", str(paths["profile"]), str(tmp_path / "nope.json"), "--out",
+                 str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err

@@ -1,0 +1,88 @@
+"""``autopart verify``: a real 2-rank gloo run of tiny-llama, and one-line errors with exit 2.
+
+The real run checks what can be checked on a shared CPU: every measured figure is
+positive, every stage and rank is covered, the trace and the calibrated profile
+are written. Error cases check exit code 2 and a single stderr line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopart.profile import profile_model
+from autopart.solve import make_plan
+from autopart.verify import RunReport
+from cli.main import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """tiny-llama profile (analytical: fast and deterministic) and a pp=2 1F1B plan."""
+    root = tmp_path_factory.mktemp("verify")
+    profile = profile_model("tiny-llama", backend="analytical:h100", micro_batch_size=2,
+                            seq_len=32)
+    plan = make_plan(profile, pp_size=2, num_microbatches=2, schedule="1f1b")
+    paths = {"profile": root / "profile.json", "plan": root / "plan.json", "root": root}
+    profile.save(paths["profile"])
+    plan.save(paths["plan"])
+    return paths
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_rank_run_reports_every_stage(files, capsys):
+    root = files["root"]
+    args = ["verify", str(files["plan"]), "--model", "tiny-llama", "--steps", "2", "--warmup",
+            "1", "--threads-per-rank", "1", "--timeout", "120", "--json", str(root / "run.json"),
+            "--trace", str(root / "trace.json"), "--profile", str(files["profile"]),
+            "--calibrated-profile", str(root / "calibrated.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "step: predicted" in out and "memory measured as" in out
+    report = RunReport.load(root / "run.json")
+    assert [s.index for s in report.stages] == [0, 1] and report.steps == 2
+    assert report.measured_step_ms > 0 and report.predicted_step_ms > 0
+    for stage in report.stages:
+        assert stage.measured_fwd_ms > 0 and stage.measured_bwd_ms > 0
+    for rank in report.ranks:
+        assert rank.measured_peak_memory_bytes > rank.memory["params_bytes"] > 0
+        params = rank.memory["params_bytes"]  # AdamW: two moments + a 4-byte step per tensor
+        assert 2 * params <= rank.memory["optimizer_bytes"] <= 2 * params + 4096
+        assert rank.measured_busy_ms > 0
+    kinds = {e[1] for e in report.measured_events}
+    assert {"F", "BW", "LOSS"} <= kinds
+    trace = json.loads((root / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {0, 1}
+    calibrated = json.loads((root / "calibrated.json").read_text())
+    assert calibrated["calibration"]["measured_step_ms"] == pytest.approx(
+        report.measured_step_ms)
+
+
+def test_missing_plan_file(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "nope.json"), "--model", "tiny-llama"]) == 2
+    assert "does not exist" in _one_line_error(capsys)
+
+
+def test_nproc_must_match_plan(files, capsys):
+    assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--nproc", "3"]) == 2
+    err = _one_line_error(capsys)
+    assert "--nproc is 3" in err and "pp_size 2" in err
+
+
+def test_plan_for_another_model(files, capsys):
+    assert main(["verify", str(files["plan"]), "--model", "tiny-qwen2"]) == 2
+    assert "another model" in _one_line_error(capsys)
+
+
+def test_profile_needs_calibrated_profile(files, capsys):
+    assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--profile",
+                 str(files["profile"])]) == 2
+    assert "go together" in _one_line_error(capsys)
