@@ -85,7 +85,9 @@ def summary_table(profile: Profile) -> Table:
     """One row per block and a total line."""
     s = profile.setup
     table = Table(title=f"{profile.model.name} on {s.backend} ({s.device_name}), {s.dtype}, "
-                        f"mbs {s.micro_batch_size} x seq {s.seq_len}", show_footer=True)
+                        f"mbs {s.micro_batch_size} x seq {s.seq_len}", show_footer=True,
+                  caption=f"times {s.time_source}; memory {s.memory_source}",
+                  caption_justify="left")
     blocks = profile.blocks
     total_params = sum(b.num_params for b in blocks)
     columns = [
@@ -95,7 +97,7 @@ def summary_table(profile: Profile) -> Table:
         ("W ms", f"{sum(b.bwd_weight_ms for b in blocks):.3f}"),
         ("params", _count(total_params)),
         ("act MiB", f"{sum(b.activation_bytes for b in blocks) / _MIB:.2f}"),
-        ("out MiB", ""), ("source", ""), ("reused from", ""),
+        ("out MiB", ""), ("times", ""), ("reused from", ""),
     ]
     for i, (name, footer) in enumerate(columns):
         table.add_column(name, footer=footer, justify="right" if 2 <= i <= 7 else "left")
