@@ -1,0 +1,154 @@
+"""Canonical JSON for autopart's data files: writing, strict loading, one-line errors.
+
+Files are written with ``indent=2, sort_keys=True`` and a ``schema_version``;
+loaders reject an unknown version, a missing key or a value of the wrong type with
+a message naming the file, the key and the command that regenerates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, ClassVar
+
+from autopart.errors import SchemaError
+
+__all__ = ["SCHEMA_VERSION", "JsonFile", "dump_json", "load_json"]
+
+SCHEMA_VERSION = 1
+
+
+class JsonFile:
+    """Mixin for frozen dataclasses stored as JSON files (``Profile``, ``Plan``, reports).
+
+    Subclasses set ``_json_what`` (the file kind, for messages), ``_json_remedy`` (the
+    command that regenerates the file) and, when theirs differs, ``_json_version``.
+    """
+
+    __slots__ = ()
+    _json_what: ClassVar[str] = "autopart"
+    _json_remedy: ClassVar[str] = "autopart"
+    _json_version: ClassVar[int] = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        """Serialize to canonical JSON text."""
+        return dump_json(_to_plain(self))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> Any:
+        """Parse JSON text; ``source`` names the file in error messages."""
+        return _from_json_text(cls, text, source, cls._json_what, cls._json_remedy,
+                               cls._json_version)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Any:
+        """Read the JSON file at ``path``."""
+        return cls.from_json(_read(path, cls._json_what), str(path))
+
+    def save(self, path: str | Path) -> None:
+        """Write this object as JSON to ``path``."""
+        Path(path).write_text(self.to_json())
+
+
+def dump_json(obj: Any) -> str:
+    """Canonical JSON text (sorted keys, indent 2, trailing newline) of a dataclass or dict."""
+    if dataclasses.is_dataclass(obj):
+        obj = _to_plain(obj)
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def load_json(path: str | Path, what: str) -> dict[str, Any]:
+    """Read a JSON object from ``path``; ``what`` names the file kind in errors."""
+    text = _read(path, what)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                          f"regenerate the {what} file") from None
+    if not isinstance(data, dict):
+        raise SchemaError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _read(path: str | Path, what: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise SchemaError(f"{what} file {p} does not exist; check the path")
+    return p.read_text()
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, float) and math.isnan(obj):
+        raise SchemaError("refusing to write NaN into JSON")
+    return obj
+
+
+def _from_json_text(cls: type, text: str, source: str, what: str, remedy_cmd: str,
+                    expected_version: int) -> Any:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                          f"regenerate it with `{remedy_cmd}`") from None
+    if not isinstance(data, dict):
+        raise SchemaError(f"{source} holds a JSON {type(data).__name__}, expected a {what} object")
+    version = data.get("schema_version")
+    if version != expected_version:
+        raise SchemaError(f"{source} has {what} schema_version {version!r}, this autopart reads "
+                          f"{expected_version}; regenerate it with `{remedy_cmd}`")
+    return _build(cls, data, source, "", remedy_cmd)
+
+
+def _build(cls: type, data: Any, source: str, where: str, remedy_cmd: str) -> Any:
+    if not isinstance(data, dict):
+        raise SchemaError(f"{source}: {where or 'top level'} should be an object, "
+                          f"got {type(data).__name__}; regenerate it with `{remedy_cmd}`")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = f"{where}.{f.name}" if where else f.name
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SchemaError(f"{source} is missing key {key!r}; "
+                                  f"regenerate it with `{remedy_cmd}`")
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name], source, key, remedy_cmd)
+    try:
+        return cls(**kwargs)
+    except (TypeError, AssertionError, SchemaError) as exc:
+        raise SchemaError(f"{source}: inconsistent {where or cls.__name__} ({exc}); "
+                          f"regenerate it with `{remedy_cmd}`") from None
+
+
+def _convert(hint: Any, value: Any, source: str, key: str, remedy_cmd: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, source, key, remedy_cmd)
+    if origin is tuple:
+        (item_hint, *_) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise SchemaError(f"{source}: key {key!r} should be a list; "
+                              f"regenerate it with `{remedy_cmd}`")
+        return tuple(_convert(item_hint, v, source, f"{key}[{i}]", remedy_cmd)
+                     for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(inner, value, source, key, remedy_cmd)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and not isinstance(value, hint):
+        raise SchemaError(f"{source}: key {key!r} should be {hint.__name__}, got {value!r}; "
+                          f"regenerate it with `{remedy_cmd}`")
+    return value
