@@ -49,12 +49,17 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.excluded = {k for k in (storage_key(t) for t in exclude) if k is not None}
         self.storages: dict[int, int] = {}
         """storage key -> nbytes of every saved, non-excluded storage."""
+        self._held: list[Any] = []
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key is not None and key not in self.excluded and key not in self.storages:
             self.storages[key] = t.untyped_storage().nbytes()
+            # Keys are storage addresses: hold the storage (not the tensor, whose free
+            # LiveTensors watches) so that no later allocation reuses a saved key and is
+            # excluded from a live-tensor peak in its place.
+            self._held.append(t.untyped_storage())
         return t
 
     @property
