@@ -139,7 +139,8 @@ def _print_table(reports: dict[str, RunReport], args: argparse.Namespace) -> Non
         stages = ", ".join(f"s{s.index} F {s.measured_fwd_ms:.1f}/{s.predicted_fwd_ms:.1f} "
                            f"B {s.measured_bwd_ms:.1f}/{s.predicted_bwd_ms:.1f}"
                            for s in rep.stages)
-        waits = ", ".join(f"r{r.rank} wait {r.measured_wait_ms:.1f} ms" for r in rep.ranks)
+        waits = ", ".join(f"r{r.rank} busy {r.measured_busy_ms:.0f} wait {r.measured_wait_ms:.0f} "
+                          f"cpu {r.measured_cpu_ms:.0f} ms" for r in rep.ranks)
         print(f"  {name}: measured/predicted ms per microbatch: {stages}; {waits}")
 
 

@@ -106,7 +106,7 @@ def print_report(report: RunReport, console: Console) -> None:
         console.print("B = full backward (B + W): this schedule does not split them")
     ranks = Table(title="per rank, one step")
     for col in ("rank", "mem pred", "mem meas", "mem err", "busy pred", "busy meas",
-                "idle pred", "wait meas", "optimizer"):
+                "idle pred", "wait meas", "cpu meas", "optimizer"):
         ranks.add_column(col, justify="right")
     for r in report.ranks:
         ranks.add_row(str(r.rank), gib(r.predicted_peak_memory_bytes),
@@ -114,7 +114,7 @@ def print_report(report: RunReport, console: Console) -> None:
                       _err(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes),
                       f"{r.predicted_busy_ms:.1f}", f"{r.measured_busy_ms:.1f}",
                       f"{r.predicted_idle_ms:.1f}", f"{r.measured_wait_ms:.1f}",
-                      f"{r.measured_optimizer_ms:.1f}")
+                      f"{r.measured_cpu_ms:.1f}", f"{r.measured_optimizer_ms:.1f}")
     console.print(ranks)
     console.print(f"memory measured as: {report.memory_method}", highlight=False)
     console.print(f"step: predicted [bold]{report.predicted_step_ms:.1f} ms[/], measured "

@@ -102,7 +102,8 @@ def _rank_report(result: dict[str, Any], sim: SimResult) -> RankReport:
         measured_peak_memory_bytes=memory["peak_bytes"],
         predicted_busy_ms=sim.rank_busy_ms[rank], measured_busy_ms=_median(busy),
         predicted_idle_ms=sim.rank_idle_ms[rank], measured_wait_ms=_median(wait),
-        measured_optimizer_ms=_median(result["optimizer_ms"]), memory=memory)
+        measured_optimizer_ms=_median(result["optimizer_ms"]),
+        measured_cpu_ms=_median(result.get("cpu_ms", [])), memory=memory)
 
 
 def _median(values: Sequence[float]) -> float:

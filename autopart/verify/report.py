@@ -60,6 +60,9 @@ class RankReport:
     """Time blocked in send/receive waits in a step."""
     measured_optimizer_ms: float = 0.0
     """``optimizer.step()`` after the pipeline step (not part of the predicted step)."""
+    measured_cpu_ms: float = 0.0
+    """Process CPU time during the pipeline step (CPU runs): busy + wait well above it
+    means the rank was descheduled, i.e. the machine was shared."""
     memory: dict[str, int] = field(default_factory=dict)
     """Measured parts: ``params_bytes``, ``grads_bytes``, ``optimizer_bytes``,
     ``buffer_bytes`` (recv buffers), ``live_peak_bytes`` (tensors alive during the step)."""

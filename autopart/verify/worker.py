@@ -75,12 +75,13 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[st
         pipe.step(ids, target=ids)
 
     recorder = StepRecorder(device).attach(pipe)
-    step_ms, optimizer_ms = [], []
+    step_ms, optimizer_ms, cpu_ms = [], [], []
     try:
         for _ in range(settings.warmup + settings.steps):
-            total, opt = _timed_step(run_step, pipe, optimizer, recorder, device)
+            total, opt, cpu = _timed_step(run_step, pipe, optimizer, recorder, device)
             step_ms.append(total)
             optimizer_ms.append(opt)
+            cpu_ms.append(cpu)
         recorder.enabled = False
         _zero_grad(pipe, optimizer)
         memory = measure_step_memory(run_step, pipe, optimizer, device)
@@ -92,6 +93,7 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[st
         "stages": [s.index for s in pipe.stage_plans],
         "step_ms": step_ms[timed],
         "optimizer_ms": optimizer_ms[timed],
+        "cpu_ms": cpu_ms[timed],
         "spans": [[list(_span_row(s)) for s in step] for step in recorder.steps[timed]],
         "memory": memory,
         "memory_method": CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
@@ -101,20 +103,22 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[st
 
 
 def _timed_step(run_step, pipe, optimizer, recorder: StepRecorder,
-                device: torch.device) -> tuple[float, float]:
-    """One step fenced by a barrier: (pipeline step ms, optimizer step ms) on this rank."""
+                device: torch.device) -> tuple[float, float, float]:
+    """One step fenced by a barrier on this rank: pipeline step ms, optimizer step ms, and
+    the process CPU time of the pipeline step (below the wall time when the rank waited or
+    was descheduled by other load)."""
     _zero_grad(pipe, optimizer)
     dist.barrier(group=pipe.groups.pp_group)
     recorder.begin_step()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     run_step()
     _sync(device)
-    mid = time.perf_counter()
+    mid, cpu_end = time.perf_counter(), time.process_time()
     if optimizer is not None:
         optimizer.step()
         _sync(device)
     end = time.perf_counter()
-    return 1e3 * (mid - start), 1e3 * (end - mid)
+    return 1e3 * (mid - start), 1e3 * (end - mid), 1e3 * (cpu_end - cpu_start)
 
 
 def _make_optimizer(name: str, params: list, lr: float):
