@@ -158,3 +158,12 @@ def test_calibrate_command(profile, plan, report, tmp_path, capsys):
                  str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err
+
+
+def test_live_peak_keeps_an_earlier_storage_at_a_gradient_address():
+    """Address 1 holds a 5-byte temporary, then (freed) a gradient: only the gradient goes."""
+    from autopart.verify.memory import _peak_without_last
+
+    events = [(1, 5), (2, 3), (1, -5), (1, 7), (2, -3)]
+    assert _peak_without_last(events, {1}) == 8
+    assert _peak_without_last(events, set()) == 10

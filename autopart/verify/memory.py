@@ -51,10 +51,26 @@ def measure_step_memory(run_step: Callable[[], None], pipe: Any, optimizer: Any,
         "grads_bytes": _unique_bytes(grads),
         "optimizer_bytes": _unique_bytes(_optimizer_tensors(optimizer)),
         "buffer_bytes": _unique_bytes(_recv_buffers(pipe.pipe_stages)),
-        "live_peak_bytes": live.peak_bytes(exclude={storage_key(g) for g in grads}),
+        "live_peak_bytes": _peak_without_last(live.events, {storage_key(g) for g in grads}),
     }
     parts["peak_bytes"] = sum(parts.values())
     return parts
+
+
+def _peak_without_last(events: list[tuple[int, int]], keys: set[int | None]) -> int:
+    """Peak of the live bytes, leaving out the latest allocation of each key in ``keys``.
+
+    Keys are storage addresses: an earlier storage freed at the address a gradient
+    later took is a different allocation and stays counted.
+    """
+    last = {key: i for i, (key, delta) in enumerate(events) if key in keys and delta > 0}
+    current = peak = 0
+    for i, (key, delta) in enumerate(events):
+        if key in last and i >= last[key]:
+            continue
+        current += delta
+        peak = max(peak, current)
+    return peak
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
