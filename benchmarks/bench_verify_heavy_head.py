@@ -8,7 +8,8 @@ plans then run for real under ``autopart.verify`` (2 spawned gloo ranks, one thr
 each). Prints per plan the predicted and measured step with the error, predicted
 and measured peak memory per rank with the errors, and the measured speed-up of
 the optimal plan over the even one (targets: >= 1.15x, step and memory errors
-within 10%). Run it on an idle machine; it prints the load average it saw.
+within 10%); then calibrates the profile on the optimal run and re-predicts the
+even plan from it. Run it on an idle machine; it prints the load average it saw.
 
     python benchmarks/bench_verify_heavy_head.py [--seq-len 128] [--microbatches 8] [--steps 8]
 """
@@ -31,7 +32,7 @@ import torch.multiprocessing as mp
 
 from autopart.profile import profile_model
 from autopart.solve import make_plan
-from autopart.verify import RunReport, RunSettings, verify_plan
+from autopart.verify import RunReport, RunSettings, calibrate_profile, verify_plan
 
 MODEL = "heavy-head-llama"
 
@@ -121,8 +122,22 @@ def main() -> None:
     predicted = reports["even"].predicted_step_ms / reports["optimal"].predicted_step_ms
     print(f"measured speed-up optimal / even: {speedup:.3f}x (predicted {predicted:.3f}x, "
           f"target >= 1.15x)")
+    _cross_check(profile, plans, reports, latency_ms, bandwidth, args)
     print(f"load average: before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"(1-minute; 2 ranks x 1 thread)")
+
+
+def _cross_check(profile, plans, reports, latency_ms, bandwidth, args) -> None:
+    """Calibrate on the optimal run, re-predict the even plan (a run the calibration never saw)."""
+    calibrated = calibrate_profile(profile, reports["optimal"], plans["optimal"])
+    even = make_plan(calibrated, pp_size=2, num_microbatches=args.microbatches, schedule="1f1b",
+                     virtual_stages=1, partition="even", link_latency_ms=latency_ms,
+                     link_bandwidth_bytes_per_s=bandwidth)
+    assert even.pipeline_cuts == plans["even"].pipeline_cuts
+    measured = reports["even"].measured_step_ms
+    print(f"even plan predicted from the profile calibrated on the optimal run: "
+          f"{even.predicted_step_ms:.1f} ms vs measured {measured:.1f} ms "
+          f"({100 * (even.predicted_step_ms - measured) / measured:+.1f}%)")
 
 
 def _print_table(reports: dict[str, RunReport], args: argparse.Namespace) -> None:
