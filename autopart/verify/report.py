@@ -8,15 +8,12 @@ the timed steps) and per rank for memory.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from autopart.errors import SchemaError
-from autopart.schema import Plan, dump_json
+from autopart._json import JsonFile
+from autopart.schema import Plan
 
 __all__ = ["REPORT_SCHEMA_VERSION", "RankReport", "RunReport", "StageReport", "plan_digest"]
 
@@ -69,8 +66,12 @@ class RankReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunReport:
+class RunReport(JsonFile):
     """A plan run for real: predicted vs measured (``autopart verify --json``)."""
+
+    _json_what = "run report"
+    _json_remedy = "autopart verify PLAN --model MODEL --json PATH"
+    _json_version = REPORT_SCHEMA_VERSION
 
     plan_fingerprint: str
     """The plan's ``profile_fingerprint`` (the model the plan is for)."""
@@ -107,42 +108,6 @@ class RunReport:
         """(predicted - measured) / measured step time."""
         return relative_error(self.predicted_step_ms, self.measured_step_ms)
 
-    def to_json(self) -> str:
-        """Canonical JSON text (sorted keys)."""
-        return dump_json(self)
-
-    def save(self, path: str | Path) -> None:
-        """Write the report as JSON."""
-        Path(path).write_text(self.to_json())
-
-    @classmethod
-    def load(cls, path: str | Path) -> RunReport:
-        """Read a report written by ``save``; ``SchemaError`` names the file and the key."""
-        p = Path(path)
-        if not p.is_file():
-            raise SchemaError(f"run report {p} does not exist; write one with "
-                              f"`autopart verify PLAN --model MODEL --json {p}`")
-        return cls.from_json(p.read_text(), str(p))
-
-    @classmethod
-    def from_json(cls, text: str, source: str = "<string>") -> RunReport:
-        """Parse JSON text; ``source`` names the file in error messages."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SchemaError(f"{source} is not valid JSON ({exc.msg}); rerun autopart verify "
-                              f"--json") from None
-        if not isinstance(data, dict) or data.get("schema_version") != REPORT_SCHEMA_VERSION:
-            version = data.get("schema_version") if isinstance(data, dict) else None
-            raise SchemaError(f"{source} has run report schema_version {version!r}, expected "
-                              f"{REPORT_SCHEMA_VERSION}; rerun autopart verify --json")
-        data["stages"] = tuple(_build(StageReport, s, source, "stages") for s in
-                               _list(data, "stages", source))
-        data["ranks"] = tuple(_build(RankReport, r, source, "ranks") for r in
-                              _list(data, "ranks", source))
-        data["measured_events"] = tuple(tuple(e) for e in data.get("measured_events", ()))
-        return _build(cls, data, source, "top level")
-
 
 def relative_error(predicted: float, measured: float) -> float:
     """(predicted - measured) / measured; 0 when nothing was measured."""
@@ -152,24 +117,3 @@ def relative_error(predicted: float, measured: float) -> float:
 def plan_digest(plan: Plan) -> str:
     """Short hash of the plan's canonical JSON."""
     return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
-
-
-def _list(data: dict, key: str, source: str) -> list:
-    value = data.get(key)
-    if not isinstance(value, list):
-        raise SchemaError(f"{source} is missing list {key!r}; rerun autopart verify --json")
-    return value
-
-
-def _build(cls: type, data: Any, source: str, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise SchemaError(f"{source}: {where} should be an object; rerun autopart verify --json")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            value = data[f.name]
-            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise SchemaError(f"{source} is missing key {f.name!r} in {where}; rerun "
-                              f"autopart verify --json")
-    return cls(**kwargs)
