@@ -12,10 +12,12 @@ import re
 import sys
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from autopart.errors import ProfileError
 from autopart.profile import list_devices, profile_model
 from autopart.schema import Profile
 
@@ -42,10 +44,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, metavar="PATH",
                    help="profile JSON to write (default ./<model>.<backend>.profile.json)")
     p.add_argument("--json", action="store_true", help="print the profile JSON on stdout")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads while profiling; use what each rank will get when "
+                        "training (e.g. cores / ranks), else times do not transfer")
 
 
 def run(args: argparse.Namespace) -> int:
     """Profile, write the JSON, show the summary."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ProfileError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     err = Console(stderr=True)
     with Progress(TextColumn("[bold]profiling[/] {task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=err,
