@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from autopart._data import data_path
 from autopart.errors import ModelSourceError
 from autopart.intake import discover_blocks, list_presets, load_model
 
@@ -202,6 +203,5 @@ def test_fingerprint_is_stable_and_discriminating():
 
 
 def _preset_path(name: str) -> str:
-    from importlib import resources
 
-    return str(resources.files("autopart._profiles") / "presets" / f"{name}.json")
+    return str(data_path("presets", f"{name}.json"))

@@ -15,13 +15,13 @@ import importlib
 import json
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from autopart._data import data_path
 from autopart.errors import ModelSourceError
 
 __all__ = ["LoadedModel", "build_hf_model", "list_presets", "load_hf_config", "load_model"]
@@ -40,7 +40,7 @@ class LoadedModel:
 
 def list_presets() -> list[str]:
     """Names of the built-in model presets."""
-    root = resources.files("autopart._profiles") / "presets"
+    root = data_path("presets")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
@@ -122,7 +122,7 @@ def _config_from_dict(data: Any, where: str, auto_config: Any) -> Any:
 def _preset_config(preset: str) -> Any:
     from transformers import AutoConfig
 
-    text = (resources.files("autopart._profiles") / "presets" / f"{preset}.json").read_text()
+    text = data_path("presets", f"{preset}.json").read_text()
     return _config_from_dict(json.loads(text), f"preset {preset}", AutoConfig)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
+from autopart._data import data_path
 from autopart.errors import ProfileError
 
 __all__ = ["DeviceSpec", "list_devices", "load_device_spec"]
@@ -81,5 +81,5 @@ def load_device_spec(name: str) -> DeviceSpec:
 
 
 def _read() -> dict[str, Any]:
-    text = (resources.files("autopart._profiles") / "devices.json").read_text()
+    text = data_path("devices.json").read_text()
     return json.loads(text)
