@@ -63,14 +63,19 @@ def dump_json(obj: Any) -> str:
 
 def load_json(path: str | Path, what: str) -> dict[str, Any]:
     """Read a JSON object from ``path``; ``what`` names the file kind in errors."""
-    text = _read(path, what)
+    return _parse_object(_read(path, what), str(path), what, f"regenerate the {what} file")
+
+
+def _parse_object(text: str, source: str, what: str, remedy: str) -> dict[str, Any]:
+    """``text`` as a JSON object, or ``SchemaError`` naming ``source`` and the remedy."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SchemaError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-                          f"regenerate the {what} file") from None
+        raise SchemaError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                          f"{remedy}") from None
     if not isinstance(data, dict):
-        raise SchemaError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+        raise SchemaError(f"{source} holds a JSON {type(data).__name__}, expected a {what} "
+                          f"object")
     return data
 
 
@@ -95,13 +100,7 @@ def _to_plain(obj: Any) -> Any:
 
 def _from_json_text(cls: type, text: str, source: str, what: str, remedy_cmd: str,
                     expected_version: int) -> Any:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SchemaError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-                          f"regenerate it with `{remedy_cmd}`") from None
-    if not isinstance(data, dict):
-        raise SchemaError(f"{source} holds a JSON {type(data).__name__}, expected a {what} object")
+    data = _parse_object(text, source, what, f"regenerate it with `{remedy_cmd}`")
     version = data.get("schema_version")
     if version != expected_version:
         raise SchemaError(f"{source} has {what} schema_version {version!r}, this autopart reads "

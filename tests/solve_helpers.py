@@ -121,3 +121,35 @@ def rank_memory(chain: Chain, bounds, flags, stage_ranks, in_flight) -> int:
             transient = max(transient, int(work))
         worst = max(worst, total + transient)
     return worst
+
+
+def check_ilp_against_brute_force(data, chain: Chain, limits: Sequence[int | None]):
+    """Draw a placement (pp, v, loop/V, in-flight counts, m, limit) with hypothesis's
+    ``data``, solve it with the ILP and by brute force, and assert they agree.
+
+    Returns ``(solution, stage_ranks, in_flight, limit)`` when a plan exists, else None.
+    """
+    from hypothesis import strategies as st
+
+    from autopart.schedules import stage_to_rank
+    from autopart.solve import solve_ilp
+
+    pp, num_virtual = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    num_stages = pp * num_virtual
+    if num_stages > chain.num_blocks:
+        return None
+    style = data.draw(st.sampled_from(["loop", "v"]))
+    ranks = [stage_to_rank(s, pp, num_virtual, style) for s in range(num_stages)]
+    in_flight = data.draw(st.lists(st.integers(1, 4), min_size=num_stages,
+                                   max_size=num_stages))
+    limit = data.draw(st.sampled_from(list(limits)))
+    m = data.draw(st.integers(1, 8))
+    expected = brute_force_ranks(chain, ranks, in_flight, m, limit)
+    sol = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight, num_microbatches=m,
+                    limit_bytes=limit, backend=data.draw(st.sampled_from(["cbc", "highs"])))
+    if expected is None:
+        assert sol is None
+        return None
+    assert sol.status == "optimal"
+    assert abs(sol.objective_ms - expected) <= 1e-6 * max(1.0, abs(expected))
+    return sol, ranks, in_flight, limit

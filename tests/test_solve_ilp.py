@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solve_helpers import (
     GIB,
-    brute_force_ranks,
     chain_of,
+    check_ilp_against_brute_force,
     llama_like,
     make_block,
     make_profile,
@@ -60,25 +60,10 @@ def test_floor_knows_blocks_are_indivisible():
 def test_ilp_with_runs_reaches_brute_force_optimum(kinds, data):
     kinds = [k for k in kinds for _ in range(data.draw(st.integers(1, 3)))][:8]
     chain = _chain(kinds)
-    pp = data.draw(st.integers(1, 3))
-    num_virtual = data.draw(st.integers(1, 2))
-    num_stages = pp * num_virtual
-    if num_stages > len(kinds):
+    found = check_ilp_against_brute_force(data, chain, [None, 600, 1000, 2000])
+    if found is None:
         return
-    ranks = [stage_to_rank(s, pp, num_virtual, data.draw(st.sampled_from(["loop", "v"])))
-             for s in range(num_stages)]
-    in_flight = data.draw(st.lists(st.integers(1, 4), min_size=num_stages,
-                                   max_size=num_stages))
-    limit = data.draw(st.sampled_from([None, 600, 1000, 2000]))
-    m = data.draw(st.integers(1, 8))
-    expected = brute_force_ranks(chain, ranks, in_flight, m, limit)
-    sol = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight, num_microbatches=m,
-                    limit_bytes=limit, backend=data.draw(st.sampled_from(["cbc", "highs"])))
-    if expected is None:
-        assert sol is None
-        return
-    assert sol.status == "optimal"
-    assert sol.objective_ms == pytest.approx(expected, rel=1e-6)
+    sol, ranks, in_flight, limit = found
     if limit is not None:
         assert rank_memory(chain, sol.bounds, sol.recompute, ranks, in_flight) <= limit
     times = [chain.stage_time(i, j, int(r)) for (i, j), r in zip(sol.bounds, sol.recompute)]

@@ -11,10 +11,15 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solve_helpers import brute_force, brute_force_ranks, chain_of, make_block, make_profile
+from solve_helpers import (
+    brute_force,
+    chain_of,
+    check_ilp_against_brute_force,
+    make_block,
+    make_profile,
+)
 
-from autopart.schedules import stage_to_rank
-from autopart.solve import baseline_split, solve_dp, solve_ilp
+from autopart.solve import baseline_split, solve_dp
 
 _blocks = st.lists(st.tuples(st.sampled_from([0.5, 1.0, 2.0, 3.0]),    # fwd_ms
                              st.integers(0, 40),                      # num_params
@@ -53,26 +58,7 @@ def test_dp_reaches_brute_force_optimum(spec, data):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=_blocks, data=st.data())
 def test_ilp_reaches_brute_force_optimum(spec, data):
-    chain = _chain(spec)
-    pp = data.draw(st.integers(1, 3))
-    num_virtual = data.draw(st.integers(1, 2))
-    num_stages = pp * num_virtual
-    if num_stages > len(spec):
-        return
-    style = data.draw(st.sampled_from(["loop", "v"]))
-    ranks = [stage_to_rank(s, pp, num_virtual, style) for s in range(num_stages)]
-    in_flight = data.draw(st.lists(st.integers(1, 4), min_size=num_stages,
-                                   max_size=num_stages))
-    limit = data.draw(st.sampled_from([None, 800, 1500, 3000]))
-    m = data.draw(st.integers(1, 8))
-    expected = brute_force_ranks(chain, ranks, in_flight, m, limit)
-    sol = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight, num_microbatches=m,
-                    limit_bytes=limit, backend=data.draw(st.sampled_from(["cbc", "highs"])))
-    if expected is None:
-        assert sol is None
-    else:
-        assert sol.status == "optimal"
-        assert sol.objective_ms == pytest.approx(expected, rel=1e-6)
+    check_ilp_against_brute_force(data, _chain(spec), [None, 800, 1500, 3000])
 
 
 @settings(max_examples=100, deadline=None)
