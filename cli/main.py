@@ -29,15 +29,23 @@ def _load_commands() -> dict[str, object]:
     return modules
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> None:
+        """Print ``prog: error: message; see --help`` and exit with code 2."""
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     """The top-level parser with one subparser per available command."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="autopart",
         description="Automatic pipeline parallelism: profile, plan, simulate, run.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
     modules = _load_commands()
     for module in modules.values():
         module.add_parser(sub)

@@ -115,3 +115,11 @@ def test_debug_shows_the_traceback(tmp_path):
                              str(tmp_path / "nope.json")], capture_output=True, text=True, check=False,
                             timeout=120)
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_argument_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan"])
+    assert exc.value.code == 2
+    err = _one_line_error(capsys)
+    assert "required: profile, --pp" in err and "autopart plan --help" in err
