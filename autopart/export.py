@@ -30,6 +30,11 @@ FORMATS = ("nxd", "nemo", "torchtitan", "megatron")
 
 _NORM_LEAF_CLASSES = ("RMSNorm", "LayerNorm")
 
+NXD_SCHEDULES = ("1f1b", "interleaved-1f1b")
+"""The schedules NxDPPModel runs (``virtual_pipeline_size`` 1 or more)."""
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+"""The schedules Megatron-core runs with a custom layout."""
+
 
 def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
     """NxDPPModel arguments for ``plan``; raise ``PlanError`` where NxD cannot follow it.
@@ -45,7 +50,7 @@ def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
             raise PlanError(
                 f"cut after {cut!r} is not at a transformer layer, which NxD requires; "
                 f"re-plan with --format nxd so cuts stay on layer boundaries")
-    if schedule_info(plan.schedule).style != "loop":
+    if plan.schedule not in NXD_SCHEDULES:
         raise PlanError(f"NxD has no {plan.schedule} schedule; plan with --schedule 1f1b or "
                         f"interleaved-1f1b for NxD")
     if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp_size:
@@ -90,8 +95,8 @@ def to_module_fqns(plan: Plan, shared_modules: tuple[str, ...] = ()) -> list[lis
 
 def to_megatron_layout(plan: Plan, profile: Profile) -> str:
     """Megatron-core ``pipeline_model_parallel_layout`` string for ``plan``."""
-    if schedule_info(plan.schedule).style != "loop":
-        raise PlanError(f"Megatron's layout has no V placement ({plan.schedule}); plan with "
+    if plan.schedule not in MEGATRON_SCHEDULES:
+        raise PlanError(f"Megatron runs no {plan.schedule} schedule with a layout; plan with "
                         f"--schedule 1f1b or interleaved-1f1b for Megatron")
     symbols = {"embedding": "E", "decoder_layer": "t", "head": "L", "norm": ""}
     kinds = _kinds(profile)
@@ -117,9 +122,12 @@ def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
         return json.dumps({"module_fqns_per_model_part": to_module_fqns(plan, shared)},
                           indent=2) + "\n"
     if fmt == "torchtitan":
+        torch_class = schedule_info(plan.schedule).torch_class
         return json.dumps({"parallelism": {
             "pipeline_parallel_degree": plan.pp_size,
-            "pipeline_parallel_microbatch_size": profile.setup.micro_batch_size,
+            "pipeline_parallel_schedule": torch_class.removeprefix("Schedule"),
+            "pipeline_parallel_microbatch_size": plan.micro_batch_size
+            or profile.setup.micro_batch_size,
             "module_fqns_per_model_part": to_module_fqns(plan)}}, indent=2) + "\n"
     if fmt == "megatron":
         # Megatron derives the virtual pipeline size from the number of stages in the layout.

@@ -109,11 +109,15 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
     elif spec is not None:
         setup["link_latency_ms"] = spec.link_latency_ms
     schedule, cut_kinds = args.schedule, None
-    if args.format == "nxd":
-        # NxDPPModel cuts only at transformer layers and runs 1F1B or interleaved 1F1B.
-        cut_kinds = ("decoder_layer",)
+    if args.format in ("nxd", "megatron"):
+        # NxDPPModel cuts only after transformer layers; Megatron's layout has no symbol
+        # for the final norm, which stays with the head. Both run 1F1B / interleaved 1F1B.
+        cut_kinds = ("decoder_layer",) if args.format == "nxd" else ("embedding",
+                                                                     "decoder_layer")
         if schedule == "auto":
-            schedule = ["1f1b", "interleaved-1f1b"]
+            interleaved_ok = args.format != "nxd" or args.microbatches is None or \
+                args.microbatches % args.pp == 0
+            schedule = ["1f1b", "interleaved-1f1b"] if interleaved_ok else ["1f1b"]
     return {"pp_size": args.pp, "num_microbatches": args.microbatches,
             "global_batch_size": args.global_batch_size, "schedule": schedule,
             "cut_kinds": cut_kinds,

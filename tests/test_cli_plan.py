@@ -123,3 +123,13 @@ def test_argument_errors_are_one_line(capsys):
     assert exc.value.code == 2
     err = _one_line_error(capsys)
     assert "required: profile, --pp" in err and "autopart plan --help" in err
+
+
+def test_nxd_with_few_layer_boundaries_plans_instead_of_crashing(tmp_path, capsys):
+    """Two layers give three NxD units: pp 2 plans (v=2 skipped), pp 4 is one clear error."""
+    path = tmp_path / "two_layers.json"
+    path.write_text(llama_like(2).to_json())
+    assert main(["plan", str(path), "--pp", "2", "--format", "nxd"]) == 0
+    assert "pipeline_cuts = [" in capsys.readouterr().out
+    assert main(["plan", str(path), "--pp", "4", "--format", "nxd"]) == 2
+    assert "lower --pp" in _one_line_error(capsys)

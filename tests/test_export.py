@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -82,8 +83,22 @@ def test_megatron_layout():
     assert to_megatron_layout(_plan([4, 5]), _profile()) == "Et*3|t*3L"
     assert to_megatron_layout(_plan([2, 2, 2, 3], "interleaved-1f1b", v=2), _profile()) == \
         "Et|tt|tt|tL"
-    with pytest.raises(PlanError, match="no V placement"):
+    with pytest.raises(PlanError, match="runs no zbv schedule"):
         to_megatron_layout(_plan([2, 2, 2, 3], "zbv", v=2), _profile())
+    with pytest.raises(PlanError, match="runs no looped-bfs schedule"):
+        to_megatron_layout(_plan([2, 2, 2, 3], "looped-bfs", v=2), _profile())
+
+
+def test_nxd_refuses_schedules_it_lacks():
+    with pytest.raises(PlanError, match="NxD has no gpipe schedule"):
+        to_nxd(_plan([4, 5], schedule="gpipe"), _profile())
+
+
+def test_torchtitan_takes_the_plans_microbatch_size_and_schedule():
+    plan = dataclasses.replace(_plan([4, 5]), micro_batch_size=4)
+    titan = json.loads(export_plan(plan, _profile(), "torchtitan"))["parallelism"]
+    assert titan["pipeline_parallel_microbatch_size"] == 4
+    assert titan["pipeline_parallel_schedule"] == "1F1B"
 
 
 def test_unknown_format():

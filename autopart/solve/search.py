@@ -95,7 +95,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         ilp_time_limit_s = _ILP_TIME_LIMIT_S if solver == "ilp" else _ILP_AUTO_TIME_LIMIT_S
     settings = _settings(profile, pp_size, num_microbatches, global_batch_size,
                          memory_limit_bytes, setup_fields, cut_kinds)
-    configs = _configs(profile, pp_size, schedule, virtual_stages, sorted(settings))
+    num_units = min(setting.chain.num_blocks for setting in settings.values())
+    configs = _configs(num_units, pp_size, schedule, virtual_stages, sorted(settings))
     found: list[tuple[Evaluated, dict]] = []
     for name, num_virtual, m in configs:
         found += _propose(settings[m], name, pp_size, num_virtual, m, partition, solver,
@@ -189,7 +190,7 @@ def _rescaled(profile: Profile, micro_batch_size: int) -> Profile:
     return dataclasses.replace(profile, blocks=blocks, setup=setup)
 
 
-def _configs(profile: Profile, pp_size: int, schedule: str | Sequence[str],
+def _configs(num_units: int, pp_size: int, schedule: str | Sequence[str],
              virtual_stages: int | str,
              counts: list[int]) -> list[tuple[str, int, int]]:
     """Every (schedule, v, m) torch accepts; raises the first reason when none is left."""
@@ -207,9 +208,10 @@ def _configs(profile: Profile, pp_size: int, schedule: str | Sequence[str],
         else:
             options = list(_AUTO_VIRTUAL)
         for num_virtual in options:
-            if pp_size * num_virtual > len(profile.blocks):
+            if pp_size * num_virtual > num_units:
                 reasons.append(f"{name} with v={num_virtual} needs {pp_size * num_virtual} "
-                               f"blocks, the profile has {len(profile.blocks)}")
+                               f"stages, the profile allows {num_units} (blocks, or cut "
+                               f"positions under cut_kinds); lower --pp or --virtual-stages")
                 continue
             for m in counts:
                 try:
