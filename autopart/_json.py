@@ -15,9 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar
 
-from autopart.errors import SchemaError
+from autopart.errors import AutopartError, SchemaError
 
-__all__ = ["SCHEMA_VERSION", "JsonFile", "dump_json", "load_json"]
+__all__ = ["SCHEMA_VERSION", "JsonFile", "dump_json", "load_json", "write_text"]
 
 SCHEMA_VERSION = 1
 
@@ -51,7 +51,16 @@ class JsonFile:
 
     def save(self, path: str | Path) -> None:
         """Write this object as JSON to ``path``."""
-        Path(path).write_text(self.to_json())
+        write_text(path, self.to_json())
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a user-named output file; an unwritable path is one ``AutopartError`` line."""
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise AutopartError(f"cannot write {path}: {exc.strerror or exc}; check that its "
+                            f"folder exists and is writable") from None
 
 
 def dump_json(obj: Any) -> str:
@@ -145,7 +154,10 @@ def _convert(hint: Any, value: Any, source: str, key: str, remedy_cmd: str) -> A
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _convert(inner, value, source, key, remedy_cmd)
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise SchemaError(f"{source}: key {key!r} should be a number, got {value!r}; "
+                              f"regenerate it with `{remedy_cmd}`")
         return float(value)
     if hint in (int, str, bool) and not isinstance(value, hint):
         raise SchemaError(f"{source}: key {key!r} should be {hint.__name__}, got {value!r}; "

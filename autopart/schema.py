@@ -6,6 +6,7 @@ DESIGN.md are the stable minimum; the extra keys here sit beside them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 BLOCK_KINDS = ("embedding", "decoder_layer", "norm", "head", "block")
+_NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
+                              "activation_bytes", "output_bytes", "transient_bytes",
+                              "num_params", "compile_ms")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -66,6 +70,16 @@ class BlockProfile:
     """Compilation time outside the timed region (XLA backend)."""
     class_name: str = ""
     """Class of the block's module (e.g. ``LlamaDecoderLayer``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in BLOCK_KINDS:
+            raise SchemaError(f"block {self.name!r} has kind {self.kind!r}, expected one of "
+                              f"{BLOCK_KINDS}")
+        for name in _NON_NEGATIVE_BLOCK_FIELDS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise SchemaError(f"block {self.name!r} has {name} = {value!r}, expected a "
+                                  f"finite number >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +123,11 @@ class ProfileSetup:
     """``measured`` (allocator / saved-tensor hooks) or ``computed`` (shapes on meta)."""
     num_threads: int = 0
 
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.seq_len < 1:
+            raise SchemaError(f"micro_batch_size ({self.micro_batch_size}) and seq_len "
+                              f"({self.seq_len}) must be >= 1")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Profile(JsonFile):
@@ -123,6 +142,14 @@ class Profile(JsonFile):
     schema_version: int = SCHEMA_VERSION
     calibration: dict[str, Any] = field(default_factory=dict)
     """Set when measured stage times were folded back in (``--calibrate``)."""
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.blocks]
+        if not names:
+            raise SchemaError("a profile needs at least one block")
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise SchemaError(f"block names must be unique, {twice} repeat")
 
 
 
@@ -156,8 +183,11 @@ class TrainingSetup:
                 raise SchemaError(
                     f"{name} {getattr(self, name)!r} is not one of {tuple(DTYPE_BYTES)}"
                 )
-        if self.link_bandwidth_bytes_per_s <= 0:
-            raise SchemaError("link bandwidth must be positive")
+        if not self.link_bandwidth_bytes_per_s > 0:
+            raise SchemaError(f"link bandwidth must be positive, got "
+                              f"{self.link_bandwidth_bytes_per_s} bytes/s")
+        if not self.link_latency_ms >= 0:
+            raise SchemaError(f"link latency must be >= 0 ms, got {self.link_latency_ms}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

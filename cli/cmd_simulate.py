@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 
 from autopart.cost import stage_costs_of_plan
+from autopart.errors import PlanError
 from autopart.schema import Plan, TrainingSetup
 from autopart.simulate import render_timeline, simulate, write_trace
 from cli._format import gib
@@ -27,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate the plan and print the timeline."""
+    if args.width < 10:
+        raise PlanError(f"--width must be at least 10 characters, got {args.width}")
     plan = Plan.load(args.plan)
     setup = TrainingSetup(**plan.setup) if plan.setup else TrainingSetup(
         pp_size=plan.pp_size, num_microbatches=plan.num_microbatches)

@@ -160,3 +160,30 @@ def test_training_setup_validates():
         TrainingSetup(pp_size=0, num_microbatches=1)
     with pytest.raises(SchemaError, match="optimizer"):
         TrainingSetup(pp_size=1, num_microbatches=1, optimizer="lion")
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d["blocks"][1].__setitem__("fwd_ms", "abc"), "should be a number"),
+    (lambda d: d["blocks"][1].__setitem__("fwd_ms", float("nan")), "finite number >= 0"),
+    (lambda d: d["blocks"][1].__setitem__("activation_bytes", -1), "finite number >= 0"),
+    (lambda d: d["blocks"][1].__setitem__("kind", "banana"), "kind 'banana'"),
+    (lambda d: d["blocks"][2].__setitem__("name", "b"), "must be unique"),
+    (lambda d: d["setup"].__setitem__("micro_batch_size", 0), "must be >= 1"),
+])
+def test_profile_values_are_checked(mutate, message):
+    data = json.loads(_profile().to_json())
+    mutate(data)
+    with pytest.raises(SchemaError, match=message):
+        Profile.from_json(json.dumps(data), "p.json")
+
+
+def test_unwritable_output_is_one_error(tmp_path):
+    from autopart.errors import AutopartError
+
+    with pytest.raises(AutopartError, match="cannot write .*check that its folder exists"):
+        _profile().save(tmp_path / "missing" / "p.json")
+
+
+def test_negative_link_latency_is_rejected():
+    with pytest.raises(SchemaError, match="latency must be >= 0"):
+        TrainingSetup(pp_size=1, num_microbatches=1, link_latency_ms=-1.0)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autopart._json import write_text
 from autopart.simulate.engine import SimResult
 
 __all__ = ["chrome_trace", "render_timeline", "write_trace"]
@@ -60,7 +61,7 @@ def chrome_trace(result: SimResult, *, stage_names: Sequence[str] | None = None
 
 def write_trace(result: SimResult, path: str | Path, **kw: Any) -> None:
     """Write ``chrome_trace(result, **kw)`` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(chrome_trace(result, **kw)))
+    write_text(path, json.dumps(chrome_trace(result, **kw)))
 
 
 def render_timeline(result: SimResult, width: int = 100) -> str:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from autopart._json import write_text
 from autopart.simulate import SimResult
 from autopart.verify.report import RunReport
 
@@ -48,7 +49,7 @@ def comparison_trace(report: RunReport, sim: SimResult) -> dict[str, Any]:
 
 def write_comparison_trace(report: RunReport, sim: SimResult, path: str | Path) -> None:
     """Write ``comparison_trace(report, sim)`` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(comparison_trace(report, sim)))
+    write_text(path, json.dumps(comparison_trace(report, sim)))
 
 
 def _span(name: str, pid: int, tid: int, start_ms: float, end_ms: float,

@@ -54,6 +54,9 @@ class RunSettings:
         if self.threads_per_rank < 1:
             raise RuntimeSetupError(f"--threads-per-rank must be >= 1, got "
                                     f"{self.threads_per_rank}")
+        if not self.timeout_s > 0:
+            raise RuntimeSetupError(f"--timeout must be a positive number of seconds, got "
+                                    f"{self.timeout_s}")
 
 
 def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[str, Any]:
