@@ -71,6 +71,28 @@ def test_generic_model_needs_loss_fn(one_rank):
         auto_pipeline(model, plan=plan, device="cpu")
 
 
+class _Residual(nn.Module):
+    """Blocks in a ModuleList, but forward adds a residual: not a straight chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) + x
+        return x
+
+
+def test_modulelist_chain_needs_confirmation(one_rank):
+    with torch.device("meta"):
+        model = _Residual()
+    plan = make_plan(discover_blocks(model), [3], schedule="gpipe", pp_size=1,
+                     num_microbatches=2)
+    with pytest.raises(RuntimeSetupError, match="straight_chain=True"):
+        auto_pipeline(model, plan=plan, loss_fn=nn.functional.mse_loss, device="cpu")
+
+
 def test_bad_plan_path_and_options(one_rank, tmp_path):
     with pytest.raises(SchemaError, match="does not exist"):
         auto_pipeline("tiny-llama", plan=tmp_path / "missing.json", device="cpu")

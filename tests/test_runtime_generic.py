@@ -81,7 +81,8 @@ def _worker(rank: int, world_size: int, factory_name: str, in_dim: int) -> dict:
                          num_microbatches=num_mb)
         with torch.device("meta"):
             model = factory()
-        pipe = auto_pipeline(model, plan=plan, loss_fn=_loss_fn, device="cpu")
+        pipe = auto_pipeline(model, plan=plan, loss_fn=_loss_fn, device="cpu",
+                             straight_chain=True)
         pipe.load_state_dict(state)
         loss = pipe.step(x, target=y)
         diffs = max_grad_diffs(pipe.named_parameters(), ref_grads)

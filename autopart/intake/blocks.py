@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 from torch import nn
@@ -19,6 +20,8 @@ from torch import nn
 from autopart.errors import ModelSourceError
 
 __all__ = ["Block", "BlockChain", "discover_blocks"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,10 @@ def _modulelist_chain(model: nn.Module, layer_classes: list[str] | None,
                 f"cannot find blocks in {type(model).__name__}: it is not an HF causal LM, "
                 f"not nn.Sequential and has no ModuleList; pass --layer-class NAME")
         _, list_name = max(lists, key=lambda x: (x[0], -len(x[1])))
+        _LOG.warning("%s: blocks are %s's %d layers plus the modules around them, taken as "
+                     "a straight chain (each output feeds the next block); times and plans "
+                     "are wrong if its forward does more between them", type(model).__name__,
+                     list_name, len(model.get_submodule(list_name)))
         layers = [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
     layer_set = set(layers)
     blocks: list[Block] = []

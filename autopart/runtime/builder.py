@@ -46,7 +46,8 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                   checkpoint_path: str | Path | None = None,
                   autocast_dtype: torch.dtype | None = None,
                   init_seed: int = 0,
-                  plan_options: dict[str, Any] | None = None) -> PipelinedModel:
+                  plan_options: dict[str, Any] | None = None,
+                  straight_chain: bool = False) -> PipelinedModel:
     """Build this rank's stages of ``model_or_source`` as ``plan`` says.
 
     ``model_or_source``: a model (best on the meta device) or an ``autopart`` model
@@ -62,11 +63,14 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     else the model's own initialization seeded per block (``init_seed``).
     ``activation_checkpointing``: ``"plan"`` (stages the plan marks), ``True`` (all)
     or ``None``. ``autocast_dtype``: run forward under ``torch.autocast``.
+    ``straight_chain``: confirm that a model whose blocks were found from its largest
+    ``ModuleList`` computes exactly block after block (refused otherwise, since the
+    pipeline would skip what its forward does between blocks).
     """
     groups = resolve_groups(pp_group, device_mesh)
     root = load_model(model_or_source).model
     chain = discover_blocks(root)
-    check_model(chain, has_loss_fn=loss_fn is not None)
+    check_model(chain, has_loss_fn=loss_fn is not None, straight_chain=straight_chain)
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
     plan_obj = resolve_plan(plan, model_or_source, chain, groups, dev.type, plan_options)

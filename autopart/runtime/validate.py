@@ -16,8 +16,15 @@ from autopart.schema import Plan
 __all__ = ["check_model", "check_plan", "recompute_rule"]
 
 
-def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
+def check_model(chain: BlockChain, *, has_loss_fn: bool, straight_chain: bool = False) -> None:
     """Raise ``RuntimeSetupError`` for models the runtime cannot train as given."""
+    if chain.family == "modulelist" and not straight_chain:
+        raise RuntimeSetupError(
+            "this model's blocks come from its largest ModuleList, and autopart would run "
+            "them as a straight chain (each block's output is the next block's input), "
+            "skipping anything its forward does between them (activations, residual adds); "
+            "pass straight_chain=True if that is exactly its forward, or give an "
+            "nn.Sequential")
     if chain.family != "hf_causal_lm" and not has_loss_fn:
         raise RuntimeSetupError(
             f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
