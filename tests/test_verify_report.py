@@ -6,6 +6,7 @@ report builder against medians computed by hand from synthetic per-rank spans.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -132,6 +133,16 @@ def test_calibration_rejects_another_plan(profile, plan, report):
         calibrate_profile(profile, report, other)
     with pytest.raises(SchemaError, match="another model"):
         calibrate_profile(llama_like(6), report)
+
+
+def test_calibration_refuses_the_same_run_twice_and_other_shapes(profile, plan, report):
+    once = calibrate_profile(profile, report, plan)
+    with pytest.raises(SchemaError, match="already folded into the profile"):
+        calibrate_profile(once, report, plan)
+    longer = dataclasses.replace(profile, setup=dataclasses.replace(
+        profile.setup, seq_len=2 * profile.setup.seq_len))
+    with pytest.raises(SchemaError, match="seq_len"):
+        calibrate_profile(longer, report, plan)
 
 
 def test_comparison_trace_holds_measured_and_simulated(plan, report):

@@ -55,11 +55,27 @@ def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
         raise SchemaError(f"the run was of a plan for another model (fingerprint "
                           f"{report.plan_fingerprint}, the profile's is "
                           f"{profile.model.fingerprint}); pass the profile the plan came from")
+    if report.seq_len != profile.setup.seq_len:
+        raise SchemaError(f"the run used seq_len {report.seq_len} but the profile was taken at "
+                          f"{profile.setup.seq_len}; pass the profile the plan came from")
+    if report.plan_digest in _applied_digests(profile.calibration):
+        raise SchemaError(f"this run (plan digest {report.plan_digest}) is already folded into "
+                          f"the profile; calibrate the original profile, or verify again")
     names = {b.name for b in profile.blocks}
     missing = [m for s in report.stages for m in s.modules if m not in names]
     if missing:
         raise SchemaError(f"the run report names blocks the profile lacks ({missing[:3]}); "
                           f"pass the profile the plan came from")
+
+
+def _applied_digests(record: dict[str, Any]) -> set[str]:
+    """Plan digests of every run already folded into a profile (its calibration chain)."""
+    digests = set()
+    while record:
+        digests.add(record.get("plan_digest", ""))
+        previous = record.get("previous") or [{}]
+        record = previous[0]
+    return digests
 
 
 def _ratios(stage: StageReport) -> dict[str, float]:
