@@ -14,7 +14,7 @@ import pytest
 
 from autopart.schema import Plan
 from cli.main import main
-from tests.solve_helpers import llama_like
+from tests.solve_helpers import GIB, llama_like
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_infeasible_memory_names_what_fits(profile_path, tmp_path, capsys):
     assert main(["plan", str(profile_path), "--pp", "2", "--memory-limit", "1MiB",
                  "--out", str(out_path)]) == 2
     err = _one_line_error(capsys)
-    assert "smallest" in err and "GiB" in err
+    assert "the smallest limit that fits is" in err and "MiB, " in err
     assert not out_path.exists()
 
 
@@ -133,3 +133,16 @@ def test_nxd_with_few_layer_boundaries_plans_instead_of_crashing(tmp_path, capsy
     assert "pipeline_cuts = [" in capsys.readouterr().out
     assert main(["plan", str(path), "--pp", "4", "--format", "nxd"]) == 2
     assert "lower --pp" in _one_line_error(capsys)
+
+
+def test_infeasible_baseline_points_to_the_optimal_partition(tmp_path, capsys):
+    """Just under the even split's rank-0 peak, only the requested baseline breaks the limit."""
+    path = tmp_path / "heavy_act.json"
+    path.write_text(llama_like(8, act_bytes=GIB).to_json())
+    args = ["plan", str(path), "--pp", "2", "--microbatches", "4", "--schedule", "1f1b"]
+    assert main([*args, "--partition", "even", "--format", "json"]) == 0
+    even_peak = max(r["peak_memory_bytes"] for r in json.loads(capsys.readouterr().out)["ranks"])
+    limit = str(even_peak - 1)
+    assert main([*args, "--partition", "even", "--memory-limit", limit]) == 2
+    assert "use --partition optimal" in _one_line_error(capsys)
+    assert main([*args, "--memory-limit", limit, "--out", str(tmp_path / "p.json")]) == 0

@@ -76,6 +76,10 @@ def notes(profile: Profile, best: Evaluated, baselines: dict[str, Evaluated],
     return out
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def infeasible(settings: dict, configs: Sequence[tuple[str, int, int]],
                found: Sequence[tuple[Evaluated, Any]], pp_size: int, limit: int | None,
                partition: str, allow_recompute: bool) -> InfeasibleError:
@@ -87,14 +91,15 @@ def infeasible(settings: dict, configs: Sequence[tuple[str, int, int]],
                                   num_virtual=num_virtual, allow_recompute=allow_recompute)
         if need is None or value < need:
             need, where = value, f"{name}, v={num_virtual}, m={m}"
-    limit_text = "no limit" if limit is None else f"{limit} bytes ({limit / _GIB:.2f} GiB)"
-    message = (f"no plan fits the per-device memory limit of {limit_text} with pp_size="
-               f"{pp_size}; the smallest limit that fits is {need} bytes "
-               f"({need / _GIB:.2f} GiB, {where}, optimal partition)")
-    if partition != "optimal":
-        peaks = [ev.peak_memory_bytes for ev, _ in found]
-        if peaks:
-            message += (f"; the {partition} split needs {min(peaks)} bytes "
-                        f"({min(peaks) / _GIB:.2f} GiB): try --partition optimal")
-    message += "; raise the memory limit, raise --pp or lower the micro batch size"
+    limit_text = "no limit" if limit is None else f"{limit} bytes ({_size(limit)})"
+    message = f"no plan fits the per-device memory limit of {limit_text} with pp_size={pp_size}"
+    peaks = [ev.peak_memory_bytes for ev, _ in found]
+    if partition != "optimal" and peaks:
+        message += f"; the {partition} split needs {min(peaks)} bytes ({_size(min(peaks))})"
+    if partition != "optimal" and limit is not None and need <= limit:
+        message += " while the optimal partition fits this limit: use --partition optimal"
+    else:
+        message += (f"; the smallest limit that fits is {need} bytes ({_size(need)}, {where}, "
+                    f"optimal partition); raise the memory limit, raise --pp or lower the "
+                    f"micro batch size")
     return InfeasibleError(message)
