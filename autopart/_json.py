@@ -90,6 +90,8 @@ def _parse_object(text: str, source: str, what: str, remedy: str) -> dict[str, A
 
 def _read(path: str | Path, what: str) -> str:
     p = Path(path)
+    if p.is_dir():
+        raise SchemaError(f"{p} is a directory; give the path of the {what} JSON file")
     if not p.is_file():
         raise SchemaError(f"{what} file {p} does not exist; check the path")
     return p.read_text()

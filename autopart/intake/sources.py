@@ -127,7 +127,11 @@ def _preset_config(preset: str) -> Any:
 
 
 def _config_name(config: Any, path: Path) -> str:
-    return getattr(config, "name_or_path", "") or (path.parent.name if path.is_file() else path.name)
+    if getattr(config, "name_or_path", ""):
+        return config.name_or_path
+    if path.is_dir():
+        return path.resolve().name
+    return path.resolve().parent.name if path.name == "config.json" else path.stem
 
 
 def _looks_like_hub_id(source: str) -> bool:

@@ -164,6 +164,9 @@ def _settings(profile: Profile, pp_size: int, num_microbatches: int | None,
         except (TypeError, SchemaError) as exc:
             raise PlanError(f"bad training setup: {exc}") from None
         scaled = profile if samples is None else _rescaled(profile, samples)
+        if cut_kinds is not None and not any(b.kind in cut_kinds for b in scaled.blocks):
+            raise PlanError(f"the profile of {profile.model.name!r} has no {'/'.join(cut_kinds)} "
+                            f"blocks to cut after; this export needs an HF decoder-only model")
         allowed = allowed_cuts(scaled, cut_kinds)
         fused, starts = fuse_blocks(scaled, allowed)
         if len(fused.blocks) < pp_size:
