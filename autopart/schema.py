@@ -70,6 +70,11 @@ class BlockProfile:
     """Compilation time outside the timed region (XLA backend)."""
     class_name: str = ""
     """Class of the block's module (e.g. ``LlamaDecoderLayer``)."""
+    modules: tuple[str, ...] = ()
+    """Every module FQN of the block, in call order, when it fuses several (GPT-2's
+    ``transformer.wte`` and ``transformer.wpe``); empty means just ``name``."""
+    expert_load: tuple[float, ...] = ()
+    """MoE layers: (max / mean, min / mean) tokens per expert over the profiled routing."""
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:
@@ -122,6 +127,9 @@ class ProfileSetup:
     memory_source: str = "measured"
     """``measured`` (allocator / saved-tensor hooks) or ``computed`` (shapes on meta)."""
     num_threads: int = 0
+    attn_implementation: str = ""
+    """HF attention kernel the model was profiled with (``sdpa``, or ``eager`` where the
+    family has no SDPA path); empty for other models."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:

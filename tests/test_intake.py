@@ -20,7 +20,8 @@ TINY_LLAMA = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.l
 
 
 def _all_meta(model: nn.Module) -> bool:
-    return all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    """Every parameter is on meta (small buffers such as rotary tables stay real)."""
+    return all(p.is_meta for p in model.parameters())
 
 
 # --- sources -----------------------------------------------------------------------------------
@@ -171,17 +172,27 @@ class ModuleListModel(nn.Module):
         self.act = nn.ReLU()
         self.out = nn.Linear(8, 4)
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.body.layers:
+            h = h + self.act(layer(h))
+        return self.out(h)
+
 
 def test_modulelist_model_blocks():
     chain = discover_blocks(ModuleListModel())
     assert chain.names == ["embed", "body.layers.0", "body.layers.1", "body.layers.2", "out"]
-    assert chain.blocks[0].kind == "embedding" and chain.family == "modulelist"
+    assert chain.blocks[0].kind == "embedding" and chain.family == "traced"
     assert chain.layer_class_names == ("Linear",)
 
 
 def test_layer_classes_override():
-    chain = discover_blocks(ModuleListModel(), layer_classes=["Embedding"])
-    assert chain.names[0] == "embed"
+    chain = discover_blocks(ModuleListModel(), layer_classes=["Linear"])
+    assert chain.names == ["embed", "body.layers.0", "body.layers.1", "body.layers.2", "out"]
+    assert chain.layer_class_names == ("Linear",)
+    # the ModuleList's container is then a block the forward never calls: one line
+    with pytest.raises(ModelSourceError, match=r"parameter of shape \(8, 8\) outside"):
+        discover_blocks(ModuleListModel(), layer_classes=["Embedding"])
     with pytest.raises(ModelSourceError, match="no module of class"):
         discover_blocks(ModuleListModel(), layer_classes=["Conv2d"])
 

@@ -1,18 +1,16 @@
-"""Intake: model source -> model on meta -> ordered chain of blocks with original FQNs."""
+"""Intake: model source -> model on meta -> ordered chain of blocks, found by watching its forward."""
 
-from autopart.intake.blocks import Block, BlockChain, discover_blocks
-from autopart.intake.hf import HFCausalLM, LayerContext, causal_lm_loss, init_rotary
+from autopart.intake.blocks import Block, BlockChain, discover_blocks, example_inputs
+from autopart.intake.hf import causal_lm_loss
 from autopart.intake.sources import LoadedModel, list_presets, load_model
 
 __all__ = [
     "Block",
     "BlockChain",
-    "HFCausalLM",
-    "LayerContext",
     "LoadedModel",
     "causal_lm_loss",
     "discover_blocks",
-    "init_rotary",
+    "example_inputs",
     "list_presets",
     "load_model",
 ]

@@ -1,12 +1,13 @@
-"""Discover the ordered chain of blocks of a model, named by their original FQNs.
+"""Discover the ordered chain of blocks of a model by watching its own forward.
 
-* HF decoder-only causal LMs (Llama, Qwen2/Qwen3, Mistral and anything built on
-  the same conventions): embedding, each decoder layer (class found from
-  ``_no_split_modules``), final norm, head (the loss runs inside the head block).
-* ``nn.Sequential``: its children.
-* Otherwise: the repeated blocks of the largest ``ModuleList`` (or of the user's
-  ``layer_classes``), with the parameter-holding modules before and after it.
-  Such a chain is run as a straight line: each block takes the previous output.
+Candidate blocks are the repeated layers (the classes in an HF model's
+``_no_split_modules``, the user's ``layer_classes``, or the largest ``ModuleList``
+/ ``ModuleDict`` of one class) and the parameter-holding modules around them
+(token and position embeddings, final norm, head); an ``nn.Sequential``'s
+candidates are its children. ``autopart.intake.trace`` then runs the forward once
+and keeps the candidates in the order they are called, with the arguments each
+receives; candidates that no exact pipeline cut can separate are fused into one
+block. No family's module names are written down here: they are what was seen.
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ import hashlib
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from autopart.errors import ModelSourceError
+from autopart.intake.sources import fill_meta_buffers
+from autopart.intake.trace import CallRecord, ForwardTrace, trace_forward
 
-__all__ = ["Block", "BlockChain", "discover_blocks"]
+__all__ = ["Block", "BlockChain", "discover_blocks", "example_inputs"]
 
 _LOG = logging.getLogger(__name__)
+
+TRACE_SEQ_LEN = 16
+"""Sequence length of the forward autopart watches (structure only, not costs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,139 +36,258 @@ class Block:
     """One unit the profiler measures and the solver places."""
 
     name: str
-    """FQN of the block's module in the original model."""
+    """FQN of the last module of the block (the block's name in plans and cuts)."""
     kind: str
     """``embedding``, ``decoder_layer``, ``norm``, ``head`` or ``block``."""
     class_name: str
+    modules: tuple[str, ...] = ()
+    """Every module FQN of the block in call order (several when calls were fused)."""
+    calls: tuple[int, ...] = ()
+    """Indices of the block's calls in ``BlockChain.trace.calls``."""
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        """The block's module FQNs (``modules``, or just ``name``)."""
+        return self.modules or (self.name,)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockChain:
-    """The blocks of a model in execution order."""
+    """The blocks of a model in execution order, and how its forward calls them."""
 
     blocks: tuple[Block, ...]
     family: str
-    """``hf_causal_lm`` for HF decoder LMs; ``sequential`` or ``modulelist`` otherwise."""
+    """``hf_causal_lm`` for HF causal LMs, ``sequential`` for ``nn.Sequential``, else ``traced``."""
     tied_embeddings: bool
-    """Input embedding and output head share one weight."""
+    """Two blocks share a parameter (input embedding and output head)."""
     fingerprint: str
     layer_class_names: tuple[str, ...] = ()
     """Class names of the repeated layers (what NxD calls ``transformer_layer_cls``)."""
     shared_modules: tuple[str, ...] = ()
-    """Parameter-free modules every stage needs (e.g. ``model.rotary_emb``)."""
+    """Parameter-free modules outside the blocks that the forward runs on every stage."""
+    trace: ForwardTrace | None = None
+    """The watched forward: every block call with its stream and context arguments."""
 
     @property
     def names(self) -> list[str]:
-        """Block FQNs in order."""
+        """Block names in order."""
         return [b.name for b in self.blocks]
+
+    @property
+    def call_fqns(self) -> list[str]:
+        """Module FQNs in the order the forward calls them."""
+        return [fqn for b in self.blocks for fqn in b.fqns]
+
+    def call(self, idx: int) -> CallRecord:
+        """The record of call ``idx``."""
+        assert self.trace is not None
+        return self.trace.calls[idx]
 
 
 def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
                     leaf_modules: list[str] | None = None) -> BlockChain:
-    """Find the block chain of ``model``.
+    """Find the block chain of ``model`` (on meta) by watching one forward.
 
-    ``layer_classes`` overrides the repeated-layer class names; ``leaf_modules``
-    names classes never split (each instance outside the layers becomes one block).
+    Args:
+        model: the model, parameters on meta (buffers may be real).
+        layer_classes: class names of the repeated layers, overriding discovery.
+        leaf_modules: class names never split (each instance outside the layers
+            becomes one candidate).
+
+    Returns:
+        The ``BlockChain``.
+
+    Raises:
+        ModelSourceError: no candidate blocks, or a forward autopart cannot pipeline.
     """
-    hf = _hf_parts(model) if layer_classes is None else None
-    if hf is not None:
-        return hf
+    what = type(model).__name__
     if isinstance(model, nn.Sequential) and layer_classes is None:
-        blocks = tuple(Block(name=n, kind="block", class_name=type(m).__name__)
-                       for n, m in model.named_children())
-        return _chain(model, blocks, "sequential", ())
-    return _modulelist_chain(model, layer_classes, leaf_modules or [])
-
-
-# --- HF causal LMs -----------------------------------------------------------------------------
-
-
-def _hf_parts(model: nn.Module) -> BlockChain | None:
-    no_split = getattr(model, "_no_split_modules", None)
-    backbone = getattr(model, "model", None)
-    head = getattr(model, "lm_head", None)
-    if not no_split or backbone is None or head is None:
-        return None
-    layers = getattr(backbone, "layers", None)
-    embed = getattr(backbone, "embed_tokens", None)
-    norm = getattr(backbone, "norm", None)
-    if not isinstance(layers, nn.ModuleList) or embed is None or norm is None:
-        return None
-    layer_cls = {type(m).__name__ for m in layers}
-    if not layer_cls <= set(no_split):
-        return None
-    blocks = [Block("model.embed_tokens", "embedding", type(embed).__name__)]
-    blocks += [Block(f"model.layers.{i}", "decoder_layer", type(m).__name__)
-               for i, m in enumerate(layers)]
-    blocks += [Block("model.norm", "norm", type(norm).__name__),
-               Block("lm_head", "head", type(head).__name__)]
-    shared = ("model.rotary_emb",) if hasattr(backbone, "rotary_emb") else ()
-    return _chain(model, tuple(blocks), "hf_causal_lm", tuple(sorted(layer_cls)), shared)
-
-
-# --- generic models ----------------------------------------------------------------------------
-
-
-def _modulelist_chain(model: nn.Module, layer_classes: list[str] | None,
-                      leaf_modules: list[str]) -> BlockChain:
-    if layer_classes:
-        layers = [n for n, m in model.named_modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ModelSourceError(f"no module of class {layer_classes} in "
-                                   f"{type(model).__name__}; check --layer-class")
+        candidates = [n for n, _ in model.named_children()]
+        layers: set[str] = set()
+        family = "sequential"
     else:
-        lists = [(len(m), n) for n, m in model.named_modules()
-                 if isinstance(m, nn.ModuleList) and len(m) > 0]
-        if not lists:
-            raise ModelSourceError(
-                f"cannot find blocks in {type(model).__name__}: it is not an HF causal LM, "
-                f"not nn.Sequential and has no ModuleList; pass --layer-class NAME")
-        _, list_name = max(lists, key=lambda x: (x[0], -len(x[1])))
-        _LOG.warning("%s: blocks are %s's %d layers plus the modules around them, taken as "
-                     "a straight chain (each output feeds the next block); times and plans "
-                     "are wrong if its forward does more between them", type(model).__name__,
-                     list_name, len(model.get_submodule(list_name)))
-        layers = [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
-    layer_set = set(layers)
-    blocks: list[Block] = []
-    for fqn, module in _leaf_walk(model, "", layer_set, set(leaf_modules)):
-        kind = "block"
-        if fqn not in layer_set and isinstance(module, nn.Embedding) and not blocks:
-            kind = "embedding"
-        blocks.append(Block(fqn, kind, type(module).__name__))
-    classes = tuple(sorted({b.class_name for b in blocks if b.name in layer_set}))
-    return _chain(model, tuple(blocks), "modulelist", classes)
+        layers = set(_layers(model, layer_classes))
+        candidates = [fqn for fqn, _ in _leaf_walk(model, "", layers, set(leaf_modules or []))]
+        family = "hf_causal_lm" if _is_hf_causal_lm(model) else "traced"
+    if not candidates:
+        raise ModelSourceError(f"{what} has no blocks with parameters; pass --layer-class NAME")
+    inside = tuple(c + "." for c in candidates)
+    glue_meta = [b for b in fill_meta_buffers(model) if not b.startswith(inside)]
+    if glue_meta:
+        raise ModelSourceError(
+            f"buffer {glue_meta[0]} of {what} is on the meta device but the forward reads it "
+            f"between blocks; build the model with its buffers on the CPU (only parameters "
+            f"may be on meta)")
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is untouched
+        torch.manual_seed(0)
+        example = example_inputs(model, candidates, 1, TRACE_SEQ_LEN)
+        order, trace = trace_forward(model, candidates, example, what)
+    if not trace.output_labelled:
+        raise ModelSourceError(f"{what}'s output does not depend on the blocks autopart found "
+                               f"({order[0]} .. {order[-1]}); pass --layer-class NAME")
+    uncalled = [c for c in candidates if c not in order and _has_params(model.get_submodule(c))]
+    if uncalled:
+        _LOG.warning("%s: %s never run in the forward; they are left out of every stage",
+                     what, ", ".join(uncalled[:3]))
+    blocks = _fuse(model, order, trace, layers, family)
+    classes = tuple(sorted({type(model.get_submodule(f)).__name__ for f in layers}))
+    shared = tuple(_shared(model, {f for b in blocks for f in b.fqns}, layers))
+    tied = _tied(model, blocks)
+    return BlockChain(blocks=blocks, family=family, tied_embeddings=tied,
+                      fingerprint=_fingerprint(model, blocks, tied),
+                      layer_class_names=classes, shared_modules=shared, trace=trace)
+
+
+def example_inputs(model: nn.Module, candidates: list[str], micro_batch_size: int,
+                   seq_len: int, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> tuple[tuple, dict]:
+    """Positional and keyword inputs of one microbatch for ``model``'s forward.
+
+    HF causal LMs get token ids (and ``use_cache=False``); other models their
+    ``autopart_example_input(micro_batch_size, seq_len)`` if they define one, else
+    token ids when the first candidate holds an ``nn.Embedding``, else floats of
+    shape ``[mbs, seq, in_features]`` with ``in_features`` the last dimension of its
+    first parameter.
+    """
+    shape = (micro_batch_size, seq_len)
+    if _is_hf_causal_lm(model):
+        vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+        return (torch.randint(0, vocab, shape, device=device),), {"use_cache": False}
+    example = getattr(model, "autopart_example_input", None)
+    if callable(example):
+        value = example(*shape)
+        if not isinstance(value, torch.Tensor):
+            raise ModelSourceError(f"autopart_example_input returned {type(value).__name__}, "
+                                   f"expected one tensor")
+        if value.is_meta:
+            value = (torch.randn(value.shape) if value.is_floating_point()
+                     else torch.zeros(value.shape, dtype=value.dtype))
+        if value.is_floating_point():
+            value = value.to(dtype)
+        return (value.to(device),), {}
+    first = model.get_submodule(candidates[0])
+    embed = next((m for m in first.modules() if isinstance(m, nn.Embedding)), None)
+    if embed is not None:
+        return (torch.randint(0, embed.num_embeddings, shape, device=device),), {}
+    param = next(first.parameters(), None)
+    if param is None or param.dim() == 0:
+        raise ModelSourceError(f"cannot infer the input of {type(model).__name__} (its first "
+                               f"block {candidates[0]!r} has no weight to read a width from); "
+                               f"define model.autopart_example_input(micro_batch_size, seq_len)")
+    return (torch.randn(*shape, param.shape[-1], device=device, dtype=dtype),), {}
+
+
+# --- candidates --------------------------------------------------------------------------------
+
+
+def _is_hf_causal_lm(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return (config is not None and bool(getattr(model, "_no_split_modules", None))
+            and hasattr(model, "get_output_embeddings")
+            and model.get_output_embeddings() is not None)
+
+
+def _layers(model: nn.Module, layer_classes: list[str] | None) -> list[str]:
+    names = layer_classes or [c for c in getattr(model, "_no_split_modules", None) or []]
+    if names:
+        found = [n for n, m in model.named_modules() if type(m).__name__ in names]
+        found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+        if found or layer_classes:
+            if not found:
+                raise ModelSourceError(f"no module of class {layer_classes} in "
+                                       f"{type(model).__name__}; check --layer-class")
+            return found
+    groups = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
+            kinds = {type(m) for m in module.children()}
+            if len(kinds) == 1:
+                groups.append((len(module), -len(name), name, module))
+    if not groups:
+        raise ModelSourceError(
+            f"cannot find repeated layers in {type(model).__name__}: no ModuleList or "
+            f"ModuleDict of one layer class; pass --layer-class NAME")
+    _, _, name, module = max(groups, key=lambda g: g[:3])
+    prefix = f"{name}." if name else ""
+    return [f"{prefix}{key}" for key, _ in module.named_children()]
 
 
 def _leaf_walk(module: nn.Module, prefix: str, layers: set[str], leaves: set[str]):
-    """Yield (fqn, module) of layer blocks and of parameter-holding outer modules, in order."""
+    """Yield (fqn, module) of layers and of parameter-holding outer modules, in order."""
     for name, child in module.named_children():
         fqn = f"{prefix}{name}"
         if fqn in layers or type(child).__name__ in leaves:
             yield fqn, child
         elif any(layer.startswith(fqn + ".") for layer in layers):
             yield from _leaf_walk(child, fqn + ".", layers, leaves)
-        elif any(True for _ in child.parameters()):
+        elif _has_params(child):
             yield fqn, child
 
 
-def _chain(model: nn.Module, blocks: tuple[Block, ...], family: str,
-           layer_classes: tuple[str, ...], shared: tuple[str, ...] = ()) -> BlockChain:
-    if not blocks:
-        raise ModelSourceError(f"{type(model).__name__} has no blocks with parameters")
-    tied = _tied(model, blocks)
-    return BlockChain(blocks=blocks, family=family, tied_embeddings=tied,
-                      fingerprint=_fingerprint(model, blocks, tied),
-                      layer_class_names=layer_classes, shared_modules=shared)
+def _shared(model: nn.Module, owned: set[str], layers: set[str]):
+    """Parameter-free modules beside the blocks (rotary tables, dropout): every stage runs them."""
+    holders = {""} | {o.rsplit(".", i)[0] for o in owned | layers for i in range(1, o.count(".") + 1)}
+    for fqn, module in model.named_modules():
+        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        if (fqn and parent in holders and fqn not in owned and fqn not in holders
+                and not _has_params(module)):
+            yield fqn
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+# --- blocks ------------------------------------------------------------------------------------
+
+
+def _fuse(model: nn.Module, order: list[str], trace: ForwardTrace, layers: set[str],
+          family: str) -> tuple[Block, ...]:
+    groups: list[list[int]] = [[0]]
+    for k, safe in enumerate(trace.safe_cuts):
+        if safe:
+            groups.append([k + 1])
+        else:
+            groups[-1].append(k + 1)
+    blocks = []
+    for g, calls in enumerate(groups):
+        fqns = tuple(order[i] for i in calls)
+        modules = [model.get_submodule(f) for f in fqns]
+        kind = _kind(fqns, modules, layers, first=g == 0, last=g == len(groups) - 1,
+                     family=family)
+        blocks.append(Block(name=fqns[-1], kind=kind, class_name=type(modules[-1]).__name__,
+                            modules=fqns if len(fqns) > 1 else (), calls=tuple(calls)))
+    return tuple(blocks)
+
+
+def _kind(fqns: tuple[str, ...], modules: list[nn.Module], layers: set[str], *, first: bool,
+          last: bool, family: str) -> str:
+    """HF causal LMs: the four kinds; ``nn.Sequential``: ``block``; other models:
+    ``embedding`` for a first block holding an ``nn.Embedding``, else ``block``."""
+    if family == "sequential":
+        return "block"
+    hf = family == "hf_causal_lm"
+    if first and any(isinstance(m, nn.Embedding) for mod in modules for m in mod.modules()):
+        return "embedding"
+    if not hf:
+        return "block"
+    if any(f in layers for f in fqns):
+        return "decoder_layer"
+    if last:
+        return "head"
+    if all("norm" in type(m).__name__.lower() for m in modules):
+        return "norm"
+    return "block"
 
 
 def _tied(model: nn.Module, blocks: tuple[Block, ...]) -> bool:
     """True when two different blocks own the same parameter object."""
     owner: dict[int, str] = {}
     for block in blocks:
-        for p in model.get_submodule(block.name).parameters():
-            if owner.setdefault(id(p), block.name) != block.name:
-                return True
+        for fqn in block.fqns:
+            for p in model.get_submodule(fqn).parameters():
+                if owner.setdefault(id(p), block.name) != block.name:
+                    return True
     return False
 
 
@@ -169,6 +295,8 @@ def _fingerprint(model: nn.Module, blocks: tuple[Block, ...], tied: bool) -> str
     digest = hashlib.sha256(f"tied={tied}\n".encode())
     for block in blocks:
         digest.update(f"{block.name}|{block.kind}|{block.class_name}\n".encode())
-        for pname, p in model.get_submodule(block.name).named_parameters(remove_duplicate=False):
-            digest.update(f"  {pname}:{tuple(p.shape)}:{p.dtype}\n".encode())
+        for fqn in block.fqns:
+            where = f"{fqn}." if block.modules else ""
+            for pname, p in model.get_submodule(fqn).named_parameters(remove_duplicate=False):
+                digest.update(f"  {where}{pname}:{tuple(p.shape)}:{p.dtype}\n".encode())
     return digest.hexdigest()[:16]

@@ -2,7 +2,7 @@
 
 Sources, tried in this order:
   * a module object (used as is; must already be on meta or CPU),
-  * ``package.module:factory`` (called under ``torch.device("meta")``),
+  * ``package.module:factory`` (called with parameters created on meta),
   * a path to an HF ``config.json`` or to a model directory holding one,
   * a built-in preset name (``profiles/presets/<name>.json``),
   * an HF hub id (``org/name``) resolved from the local HF cache only.
@@ -11,9 +11,13 @@ Nothing of full size is ever allocated.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import json
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,10 @@ from torch import nn
 from autopart._data import data_path
 from autopart.errors import ModelSourceError
 
-__all__ = ["LoadedModel", "build_hf_model", "list_presets", "load_hf_config", "load_model"]
+__all__ = ["LoadedModel", "build_hf_model", "empty_on", "fill_meta_buffers", "list_presets",
+           "load_hf_config", "load_model", "move_outside_blocks", "params_on_meta"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +98,122 @@ def load_hf_config(path: Path) -> Any:
 
 
 def build_hf_model(config: Any) -> nn.Module:
-    """Instantiate an HF causal LM for ``config`` on the meta device (SDPA attention)."""
+    """Instantiate an HF causal LM for ``config``: parameters on meta, buffers on the CPU.
+
+    Attention runs through SDPA where the family supports it, else eager attention
+    (``config._attn_implementation`` says which). Buffers (rotary tables) are built
+    for real because the model's own code between blocks reads them on every stage.
+
+    Raises:
+        ModelSourceError: transformers or torch rejects the config (one line).
+    """
     from transformers import AutoModelForCausalLM
 
-    config._attn_implementation = "sdpa"
+    try:  # initializing meta weights does nothing but costs time (0.5 s at 48 layers)
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers
+        no_init_weights = contextlib.nullcontext
+    for attn in ("sdpa", "eager"):
+        config._attn_implementation = attn
+        try:
+            with params_on_meta(), no_init_weights():
+                model = AutoModelForCausalLM.from_config(config)
+            model.tie_weights()  # part of the init_weights skipped above
+            return model
+        except Exception as exc:  # noqa: BLE001 - any rejection of the config is one line
+            if attn == "sdpa" and "scaled_dot_product_attention" in str(exc):
+                logger.info("%s has no SDPA attention in transformers; using eager attention",
+                            config.model_type)
+                continue
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ModelSourceError(
+                f"transformers cannot build a causal LM for model_type {config.model_type!r} "
+                f"({type(exc).__name__}: {first}); fix the config (e.g. pad_token_id within "
+                f"vocab_size) or use a package.module:factory") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create every ``nn.Parameter`` registered inside on the meta device; buffers stay real.
+
+    Parameters are moved to meta as they are registered, before any module
+    initializes them, so no full-size weight is ever filled.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            held = module._parameters[name]
+            extra = dict(held.__dict__)
+            extra["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(held)(held.to("meta"), **extra)
+
+    nn.Module.register_parameter = register
     try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as exc:
-        raise ModelSourceError(f"transformers cannot build a causal LM for model_type "
-                               f"{config.model_type!r} ({exc}); use a decoder-only causal LM "
-                               f"config or a package.module:factory") from None
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def empty_on(module: nn.Module, device: torch.device | str) -> None:
+    """Give every meta parameter and buffer of ``module`` uninitialized storage on ``device``.
+
+    Unlike ``nn.Module.to_empty`` it keeps the values of real buffers (rotary
+    tables built by ``params_on_meta``), moving them to ``device``.
+    """
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                value = (torch.empty_like(p, device=device) if p.is_meta
+                         else p.detach().to(device))
+                sub._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = torch.empty_like(b, device=device) if b.is_meta \
+                    else b.to(device)
+
+
+def fill_meta_buffers(model: nn.Module) -> list[str]:
+    """Give an HF model built entirely on meta the real buffers a fresh build computes.
+
+    Rotary tables and similar buffers are computed in ``__init__`` from the config,
+    and the model's code between blocks reads them on every stage, so a model built
+    under ``torch.device("meta")`` gets them from a skeleton built with
+    ``params_on_meta`` (no weight is allocated). Other models are left as they are.
+
+    Returns:
+        FQNs of the buffers still on meta.
+    """
+    missing = [n for n, b in model.named_buffers() if b.is_meta]
+    config = getattr(model, "config", None)
+    if missing and config is not None:
+        try:
+            with params_on_meta(), torch.device("cpu"):
+                fresh = dict(type(model)(copy.deepcopy(config)).named_buffers())
+        except Exception:  # noqa: BLE001 - a model class that cannot be rebuilt keeps its meta
+            fresh = {}
+        for fqn in list(missing):
+            value = fresh.get(fqn)
+            if value is not None and not value.is_meta:
+                owner, _, leaf = fqn.rpartition(".")
+                module = model.get_submodule(owner)
+                if tuple(module._buffers[leaf].shape) == tuple(value.shape):
+                    module._buffers[leaf] = value
+                    missing.remove(fqn)
+    return missing
+
+
+def move_outside_blocks(model: nn.Module, block_fqns: list[str], device: torch.device) -> None:
+    """Move the buffers that live outside every block (rotary tables) to ``device``."""
+    blocks = tuple(f + "." for f in block_fqns)
+    for fqn, module in model.named_modules():
+        if fqn in block_fqns or (fqn + ".").startswith(blocks):
+            continue
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not buf.is_meta:
+                module._buffers[name] = buf.to(device)
 
 
 # --- private helpers ---------------------------------------------------------------------------
@@ -161,7 +273,7 @@ def _from_factory(spec: str, name: str | None) -> LoadedModel:
         raise ModelSourceError(f"cannot import factory {spec!r} ({exc}); give "
                                f"package.module:function importable from this directory") from None
     try:
-        with torch.device("meta"):
+        with params_on_meta():
             model = factory()
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
         raise ModelSourceError(f"factory {spec!r} raised {type(exc).__name__}: {exc}; "

@@ -1,0 +1,225 @@
+"""Watch a model's own forward once: which blocks it calls, with what, and where cuts are safe.
+
+The forward runs on the CPU with every candidate block replaced by its meta
+stand-in (``meta_stub``), so nothing of full size is allocated and the model's own
+code between blocks runs on real (tiny) tensors. A ``TorchFunctionMode`` labels
+each tensor with the set of block calls its value derives from. That gives, per
+block call:
+
+* its **stream** arguments: the tensor arguments derived from earlier blocks (what
+  crosses a pipeline cut just before it, ``layer(h, h)`` counted once);
+* its **context**: the other tensor arguments (masks, rotary tables, position
+  ids), recomputed by the model's own code on every stage;
+
+and, for every cut position, whether it is **safe**: a cut after call ``k`` is safe
+when everything derived only from calls ``<= k`` that is used once call ``k + 1``
+has started is one of call ``k + 1``'s stream arguments itself (``h = h + layer(h)``
+reuses its stream: the receiving stage substitutes the received tensor for it,
+see ``ForwardTrace.stream_reused``). Calls separated by an unsafe cut are fused
+into one block (GPT-2's ``wte`` and ``wpe``, added after both run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from autopart.errors import ModelSourceError
+from autopart.intake.forward import intercept, leaf_paths, meta_stub
+
+__all__ = ["CallRecord", "ForwardTrace", "trace_forward"]
+
+_NO_VALUE = frozenset({
+    "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
+    "full_like", "size", "dim", "numel", "stride", "is_floating_point", "is_complex",
+    "get_device", "element_size", "data_ptr",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One block call seen in the forward."""
+
+    fqn: str
+    """FQN of the called module."""
+    stream: tuple[int, ...]
+    """For each flattened argument leaf: its stream slot (``>= 0``) or ``-1`` (not stream)."""
+    num_stream: int
+    """Distinct stream tensors the call receives."""
+    signature: str
+    """Argument shapes/dtypes, context identities and plain values: equal calls behave alike."""
+    stream_bytes_per_token: float
+    """Bytes of the stream tensors per input token (what crosses a cut before this call)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTrace:
+    """What one forward of the model did, block call by block call."""
+
+    calls: tuple[CallRecord, ...]
+    safe_cuts: tuple[bool, ...]
+    """``safe_cuts[k]``: a pipeline cut between call ``k`` and call ``k + 1`` is exact."""
+    output_labelled: bool
+    """The model's output derives from the blocks (it is not constant)."""
+    stream_reused: bool = False
+    """Some stream tensor is used again after the call that receives it starts
+    (a residual outside the layers): stages must substitute received tensors by identity."""
+
+
+class _Labels(TorchFunctionMode):
+    """Label tensors with the block calls they derive from; record where labels are used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: dict[int, frozenset[int]] = {}
+        self.keep: list[torch.Tensor] = []
+        self.position = -0.5
+        self.uses: list[tuple[float, int, int]] = []
+        """(position, newest call the used value derives from, its id) per labelled use."""
+        self.params_in_glue: list[str] = []
+        self.inside = 0
+
+    def label_of(self, t: Any) -> frozenset[int]:
+        return self.labels.get(id(t), frozenset()) if isinstance(t, torch.Tensor) else frozenset()
+
+    def mark(self, value: Any, label: frozenset[int]) -> None:
+        for leaf in leaf_paths((value,), {}):
+            if isinstance(leaf, torch.Tensor):
+                self.labels[id(leaf)] = label
+                self.keep.append(leaf)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside:
+            return out
+        name = getattr(func, "__name__", "")
+        inputs = leaf_paths(tuple(args), kwargs)
+        for x in inputs:
+            if isinstance(x, nn.Parameter):
+                self.params_in_glue.append(f"{tuple(x.shape)}")
+        if name in _NO_VALUE or name == "__get__":
+            return out
+        labels = [self.label_of(x) for x in inputs]
+        for x, label in zip(inputs, labels):
+            if label:
+                self.uses.append((self.position, max(label), id(x)))
+        label = frozenset().union(*labels)
+        if label:
+            self.mark(out, label)
+        return out
+
+
+def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict],
+                  what: str) -> tuple[list[str], ForwardTrace]:
+    """Run ``model(*args, **kwargs)`` once with the candidate modules ``fqns`` as stand-ins.
+
+    Returns the candidates in the order the forward called them (uncalled ones
+    dropped) and the trace. Raises ``ModelSourceError`` (one line) when the forward
+    fails, calls a candidate twice, or uses a parameter outside every candidate.
+    """
+    shapes: dict = {}
+    stubs = {fqn: meta_stub(model.get_submodule(fqn), shapes) for fqn in fqns}
+    mode = _Labels()
+    order: list[int] = []
+    records: list[CallRecord] = []
+    contexts: dict[int, int] = {}
+    stream_ids: list[set[int]] = []
+
+    def handler(idx: int, module: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
+        if idx in order:
+            raise ModelSourceError(f"{what}'s forward calls {fqns[idx]} more than once; "
+                                   f"autopart pipelines blocks that run once per step; pass "
+                                   f"--layer-class to choose other blocks")
+        call = len(order)
+        order.append(idx)
+        mode.position = float(call)
+        records.append(_record(fqns[idx], args, kwargs, mode, contexts))
+        stream_ids.append(set())
+        for leaf in leaf_paths(args, kwargs):
+            if mode.label_of(leaf):
+                stream_ids[-1].add(id(leaf))
+                mode.uses.append((float(call), max(mode.label_of(leaf)), id(leaf)))
+        mode.inside += 1
+        try:
+            out = stubs[fqns[idx]](args, kwargs, torch.device("cpu"))
+        finally:
+            mode.inside -= 1
+        mode.mark(out, frozenset({call}))
+        mode.position = call + 0.5
+        return out
+
+    args, kwargs = example
+    try:
+        with torch.no_grad(), intercept(model, fqns, handler), mode:
+            output = model(*args, **kwargs)
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of model code becomes one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelSourceError(
+            f"{what}'s forward failed while autopart watched it ({type(exc).__name__}: "
+            f"{first[:200]}); check that the model runs on an input of shape "
+            f"{_shapes(args)}, or define autopart_example_input(micro_batch_size, seq_len)"
+        ) from None
+    if mode.params_in_glue:
+        raise ModelSourceError(
+            f"{what}'s forward uses a parameter of shape {mode.params_in_glue[0]} outside its "
+            f"blocks, so no pipeline stage could own it; move it into a submodule or pass "
+            f"--layer-class to choose the blocks")
+    num = len(order)
+    final = False
+    for leaf in leaf_paths((output,), {}):
+        if mode.label_of(leaf):
+            final = True
+            mode.uses.append((float(num), max(mode.label_of(leaf)), id(leaf)))
+    safe = [records[k + 1].num_stream > 0 for k in range(num - 1)]
+    reused = False
+    for position, newest, tensor_id in mode.uses:
+        # a use after call k + 1 started, of a value from calls <= k, crosses the cut
+        # after k: exact only when the value is one of call k + 1's stream arguments
+        for k in range(newest, num - 1):
+            if position > k + 1:
+                if tensor_id in stream_ids[k + 1]:
+                    reused = True
+                else:
+                    safe[k] = False
+    return [fqns[i] for i in order], ForwardTrace(calls=tuple(records), safe_cuts=tuple(safe),
+                                                  output_labelled=bool(final),
+                                                  stream_reused=reused)
+
+
+def _record(fqn: str, args: tuple, kwargs: dict, mode: _Labels,
+            contexts: dict[int, int]) -> CallRecord:
+    slots: dict[int, int] = {}
+    stream: list[int] = []
+    parts: list[str] = []
+    stream_bytes, tokens = 0, 0
+    for leaf in leaf_paths(args, kwargs):
+        if isinstance(leaf, torch.Tensor):
+            if mode.label_of(leaf):
+                slot = slots.setdefault(id(leaf), len(slots))
+                if slot == len(slots) - 1 and stream.count(slot) == 0:
+                    stream_bytes += leaf.numel() * leaf.element_size()
+                    tokens = tokens or (leaf.shape[0] * leaf.shape[1] if leaf.dim() >= 2 else 1)
+                stream.append(slot)
+                parts.append(f"s{slot}:{tuple(leaf.shape)}:{leaf.dtype}")
+            else:
+                ctx = contexts.setdefault(id(leaf), len(contexts))
+                mode.keep.append(leaf)
+                stream.append(-1)
+                parts.append(f"c{ctx}:{tuple(leaf.shape)}:{leaf.dtype}")
+        else:
+            stream.append(-1)
+            parts.append(repr(leaf)[:80])
+    return CallRecord(fqn=fqn, stream=tuple(stream), num_stream=len(slots),
+                      signature="|".join(parts),
+                      stream_bytes_per_token=stream_bytes / max(tokens, 1))
+
+
+def _shapes(args: tuple) -> str:
+    return ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor)) or "()"
