@@ -11,14 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autopart.intake import Block
 from autopart.profile.analytical import estimate_times, flash_sdpa
 from autopart.profile.backends import Backend, make_backend
 from autopart.profile.devices import DeviceSpec, load_device_spec
 from autopart.profile.materialize import materialize_block
 from autopart.profile.measure import MemoryFigures, TimeFigures, measure_times, memory_pass
 from autopart.profile.memory import tensor_bytes
-from autopart.profile.tasks import BlockTask, GenericRunner, HFRunner
+from autopart.profile.tasks import BlockTask
 
 __all__ = ["AnalyticalEngine", "Figures", "MeasuringEngine", "make_engine"]
 
@@ -44,16 +43,16 @@ class MeasuringEngine:
         self.device_name = backend.device_name
         self.num_warmup, self.num_repeats = num_warmup, num_repeats
         self.time_source, self.memory_source = backend.time_source, backend.memory_source
-        self.meta_runner: HFRunner | GenericRunner | None = None
-        """Set by the profiler for backends without storages (XLA): memory is computed on meta."""
+        self.dtype: torch.dtype = torch.float32
+        """Set by the profiler: the dtype of meta copies (XLA computes memory on meta)."""
 
-    def measure(self, task: BlockTask, block: Block, block_module: nn.Module) -> Figures:
+    def measure(self, task: BlockTask, block_module: nn.Module) -> Figures:
         """Time ``task`` on the device and measure (or, on XLA, compute) its memory."""
         times = measure_times(task, self.backend, self.num_warmup, self.num_repeats)
         measured = (*_TIMES, "param_bytes")
         if self.backend.has_storages:
             return Figures(times, memory_pass(task, self.backend), (*measured, *_MEMORY))
-        memory = self._meta_memory(task, block, block_module)
+        memory = self._meta_memory(task, block_module)
         activation = self._device_activation_bytes(task)
         if activation is not None:
             memory = MemoryFigures(activation_bytes=activation, output_bytes=memory.output_bytes,
@@ -61,12 +60,10 @@ class MeasuringEngine:
             measured = (*measured, "activation_bytes")
         return Figures(times, memory, measured)
 
-    def _meta_memory(self, task: BlockTask, block: Block,
-                     block_module: nn.Module) -> MemoryFigures:
-        assert self.meta_runner is not None, "meta_runner must be set for XLA"
-        meta_module = materialize_block(block_module, torch.device("meta"), self.meta_runner.dtype)
-        meta_inputs = torch.empty_like(task.inputs, device="meta")
-        meta_task = self.meta_runner.task(block, meta_module, meta_inputs)
+    def _meta_memory(self, task: BlockTask, block_module: nn.Module) -> MemoryFigures:
+        assert task.meta_task is not None, "tasks carry their meta twin"
+        meta_module = materialize_block(block_module, torch.device("meta"), self.dtype)
+        meta_task = task.meta_task(meta_module)
         with flash_sdpa():
             return memory_pass(meta_task)
 
@@ -95,9 +92,8 @@ class AnalyticalEngine:
         self.spec, self.dtype = spec, dtype
         self.device = torch.device("meta")
         self.device_name = spec.name
-        self.meta_runner = None
 
-    def measure(self, task: BlockTask, block: Block, block_module: nn.Module) -> Figures:
+    def measure(self, task: BlockTask, block_module: nn.Module) -> Figures:
         """Roofline times and shape-computed memory of the meta ``task``."""
         times = estimate_times(task, self.spec, self.dtype)
         with flash_sdpa():

@@ -16,6 +16,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from autopart.intake.forward import meta_safe_experts
+from autopart.intake.sources import empty_on
+
 __all__ = ["materialize_block", "module_bytes", "param_bytes_and_count"]
 
 _INIT_STD = 0.02
@@ -31,18 +34,23 @@ def materialize_block(module: nn.Module, device: torch.device, dtype: torch.dtyp
     so the caller's RNG state is unchanged. On ``device="meta"`` nothing is allocated.
     """
     block = copy.deepcopy(module)
+    for sub in block.modules():
+        sub.__dict__.pop("forward", None)  # a routed forward copied from inside ``intercept``
+    if device.type == "meta":
+        meta_safe_experts(block)
     block.to(dtype=dtype)
     tensors = itertools.chain(block.parameters(), block.buffers())
     on_meta = any(t.is_meta for t in tensors)
     if on_meta and device.type != "meta":
-        block.to_empty(device=device)
+        meta_buffers = any(b.is_meta for b in block.buffers())
+        empty_on(block, device)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            _generic_init(block)
+            _generic_init(block, zero_buffers=meta_buffers)
             if hf_init is not None:
                 for sub in block.modules():
                     hf_init(sub)
-    elif not on_meta:
+    elif not on_meta or device.type == "meta":
         block.to(device=device)
     block.train()
     return block
@@ -61,7 +69,7 @@ def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
                for p in module.parameters())
 
 
-def _generic_init(block: nn.Module) -> None:
+def _generic_init(block: nn.Module, *, zero_buffers: bool) -> None:
     """Give every parameter and buffer defined values (to_empty leaves garbage, even NaN)."""
     covered: set[int] = set()
     for sub in block.modules():
@@ -79,6 +87,6 @@ def _generic_init(block: nn.Module) -> None:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, _INIT_STD)
-        for buf in sub.buffers(recurse=False):
+        for buf in sub.buffers(recurse=False) if zero_buffers else ():
             if not getattr(sub, "reset_parameters", None):
                 buf.zero_()

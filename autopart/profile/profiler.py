@@ -11,21 +11,24 @@ training flag and the global RNG state are left as they were.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from autopart.errors import AutopartError, ProfileError
 from autopart.intake import Block, BlockChain, LoadedModel, discover_blocks, load_model
+from autopart.intake.forward import leaf_paths
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
-from autopart.profile.tasks import GenericRunner, HFRunner, make_runner
+from autopart.profile.moe import expert_counter
+from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup
 
@@ -34,7 +37,6 @@ __all__ = ["profile_model"]
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int, str], None]
-_Runner = HFRunner | GenericRunner
 _Engine = MeasuringEngine | AnalyticalEngine
 
 
@@ -60,10 +62,10 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
     fork = [engine.device.index or 0] if engine.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):
         torch.manual_seed(0)
-        runner = make_runner(model, chain, engine.device, torch_dtype, micro_batch_size, seq_len)
-        if isinstance(engine, MeasuringEngine) and not engine.backend.has_storages:
-            engine.meta_runner = make_runner(model, chain, torch.device("meta"), torch_dtype,
-                                             micro_batch_size, seq_len)
+        runner = ForwardRunner(model, chain, engine.device, torch_dtype, micro_batch_size,
+                               seq_len)
+        if isinstance(engine, MeasuringEngine):
+            engine.dtype = torch_dtype
         blocks = _profile_blocks(model, chain, runner, engine, backend, dtype, progress)
     setup = ProfileSetup(
         backend=backend, device_name=engine.device_name, dtype=dtype,
@@ -72,75 +74,130 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_warmup=0 if backend.startswith("analytical") else num_warmup,
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
         time_source=engine.time_source, memory_source=engine.memory_source,
-        num_threads=torch.get_num_threads())
+        num_threads=torch.get_num_threads(),
+        attn_implementation=str(getattr(getattr(model, "config", None),
+                                        "_attn_implementation", "") or ""))
     return Profile(model=_model_info(loaded, chain), setup=setup, blocks=tuple(blocks))
 
 
-def _profile_blocks(model: nn.Module, chain: BlockChain, runner: _Runner, engine: _Engine,
-                    backend: str, dtype: str, progress: ProgressFn | None) -> list[BlockProfile]:
-    """Walk the chain: measure each new block, reuse identical ones."""
+def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
+                    engine: _Engine, backend: str, dtype: str,
+                    progress: ProgressFn | None) -> list[BlockProfile]:
+    """Watch the forward: measure each new kind of call, reuse identical ones."""
     hf_init = getattr(model, "_init_weights", None) if chain.family == "hf_causal_lm" else None
-    seen: dict[str, tuple[BlockProfile, torch.Tensor]] = {}
-    inputs = runner.first_input()
-    results: list[BlockProfile] = []
-    for done, block in enumerate(chain.blocks, start=1):
-        original = model.get_submodule(block.name)
-        key = _signature(block, original, inputs, runner.signature_extra(block))
+    block_of = {c: b for b in chain.blocks for c in b.calls}
+    seen: dict[str, tuple[_CallFigures, Any, int]] = {}
+    done: dict[int, tuple[_CallFigures, int | None]] = {}
+    contexts: dict[int, int] = {}
+
+    def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
+        block = block_of[idx]
+        key = _signature(chain, idx, original, args, kwargs, contexts)
         if key in seen:
-            twin, inputs = seen[key]
-            results.append(dataclasses.replace(twin, name=block.name, reused_from=twin.name))
+            figures, output, twin = seen[key]
+            done[idx] = (figures, twin)
         else:
-            profile, inputs = _profile_one(block, original, inputs, runner, engine, hf_init,
-                                           backend, dtype)
-            seen[key] = (profile, inputs)
-            results.append(profile)
-            logger.info("profiled %s: fwd %.3f ms, bwd %.3f ms", block.name, profile.fwd_ms,
-                        profile.bwd_ms)
-        if progress is not None:
-            progress(done, len(chain.blocks), block.name)
-    return results
+            figures, output = _profile_call(chain, idx, block, original, args, kwargs, runner,
+                                            engine, hf_init, backend, dtype)
+            seen[key] = (figures, output, idx)
+            done[idx] = (figures, None)
+            logger.info("profiled %s: fwd %.3f ms, bwd %.3f ms", chain.call_fqns[idx],
+                        figures.figures.times.fwd_ms, figures.figures.times.bwd_ms)
+        if progress is not None and idx == block.calls[-1]:
+            progress(chain.blocks.index(block) + 1, len(chain.blocks), block.name)
+        return output
+
+    runner.run(visit)
+    missing = [chain.call_fqns[i] for i in range(len(chain.call_fqns)) if i not in done]
+    if missing:
+        raise ProfileError(f"the forward did not call {missing[0]} when profiled, though it did "
+                           f"when autopart watched it; the model's forward must call the same "
+                           f"blocks for every input")
+    return [_block_profile(block, [done[c] for c in block.calls], block_of)
+            for block in chain.blocks]
 
 
-def _profile_one(block: Block, original: nn.Module, inputs: torch.Tensor, runner: _Runner,
-                 engine: _Engine, hf_init: Callable[[nn.Module], None] | None, backend: str,
-                 dtype: str) -> tuple[BlockProfile, torch.Tensor]:
-    """Materialize, measure and run one block; return its profile and its output."""
+@dataclass(frozen=True, slots=True)
+class _CallFigures:
+    figures: Figures
+    param_bytes: int
+    num_params: int
+    expert_load: tuple[float, ...] = ()
+
+
+def _profile_call(chain: BlockChain, idx: int, block: Block, original: nn.Module, args: tuple,
+                  kwargs: dict, runner: ForwardRunner, engine: _Engine,
+                  hf_init: Callable[[nn.Module], None] | None, backend: str,
+                  dtype: str) -> tuple[_CallFigures, Any]:
+    """Materialize, measure and run one block call; its figures and its output for the model."""
+    fqn = chain.call_fqns[idx]
     try:
         module = materialize_block(original, engine.device, TORCH_DTYPES[dtype], hf_init)
-        task = runner.task(block, module, inputs)
-        figures: Figures = engine.measure(task, block, original)
-        with torch.no_grad(), flash_sdpa() if engine.device.type == "meta" else nullcontext():
-            output = task.forward().detach()
+        task = make_task(chain, idx, module, args, kwargs, engine.device, runner.labels)
+        figures: Figures = engine.measure(task, original)
+        assert task.call is not None
+        sdpa = flash_sdpa() if engine.device.type == "meta" else nullcontext()
+        with torch.no_grad(), sdpa, expert_counter(module) as load:
+            output = runner.to_glue(task.call())
     except AutopartError:
         raise
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ProfileError(
-            f"block {block.name} ({block.class_name}) failed on backend {backend} in {dtype}: "
+            f"block {fqn} ({type(original).__name__}) failed on backend {backend} in {dtype}: "
             f"{type(exc).__name__}: {first}; try --dtype float32, check that the model runs "
             f"on this device, or pass --layer-class / autopart_example_input for custom "
             f"models") from exc
     param_bytes, num_params = param_bytes_and_count(module)
-    t, m = figures.times, figures.memory
-    profile = BlockProfile(
-        name=block.name, kind=block.kind, fwd_ms=t.fwd_ms, bwd_ms=t.bwd_ms,
-        bwd_input_ms=t.bwd_input_ms, bwd_weight_ms=t.bwd_weight_ms, param_bytes=param_bytes,
-        activation_bytes=m.activation_bytes, output_bytes=m.output_bytes,
-        transient_bytes=m.transient_bytes, num_params=num_params,
-        fwd_ms_spread=t.fwd_ms_spread, bwd_ms_spread=t.bwd_ms_spread,
-        measured=figures.measured, compile_ms=t.compile_ms, class_name=block.class_name)
-    return profile, output
+    return _CallFigures(figures, param_bytes, num_params, tuple(load)), output
 
 
-def _signature(block: Block, module: nn.Module, inputs: torch.Tensor, extra: str) -> str:
-    """Blocks with equal signatures behave identically: measure once, reuse."""
+def _block_profile(block: Block, calls: list[tuple[_CallFigures, int | None]],
+                   block_of: dict[int, Block]) -> BlockProfile:
+    """One block's profile from its calls (several when calls were fused)."""
+    figs = [c.figures for c, _ in calls]
+    t = [f.times for f in figs]
+    m = [f.memory for f in figs]
+    twins = [twin for _, twin in calls]
+    reused = block_of[twins[0]].name if all(tw is not None for tw in twins) else None
+    return BlockProfile(
+        name=block.name, kind=block.kind, fwd_ms=sum(x.fwd_ms for x in t),
+        bwd_ms=sum(x.bwd_ms for x in t), bwd_input_ms=sum(x.bwd_input_ms for x in t),
+        bwd_weight_ms=sum(x.bwd_weight_ms for x in t),
+        param_bytes=sum(c.param_bytes for c, _ in calls),
+        activation_bytes=sum(x.activation_bytes for x in m), output_bytes=m[-1].output_bytes,
+        transient_bytes=max(x.transient_bytes for x in m),
+        num_params=sum(c.num_params for c, _ in calls),
+        fwd_ms_spread=max(x.fwd_ms_spread for x in t),
+        bwd_ms_spread=max(x.bwd_ms_spread for x in t), measured=figs[0].measured,
+        compile_ms=sum(x.compile_ms for x in t), class_name=block.class_name,
+        reused_from=reused if reused != block.name else None, modules=block.modules,
+        expert_load=next((c.expert_load for c, _ in calls if c.expert_load), ()))
+
+
+def _signature(chain: BlockChain, idx: int, module: nn.Module, args: tuple, kwargs: dict,
+               contexts: dict[int, int]) -> str:
+    """Calls with equal signatures behave identically: measure once, reuse.
+
+    Module structure (class, repr, parameter and buffer shapes), argument shapes and
+    dtypes, which context tensors it gets (Gemma 3's sliding and global layers get
+    different masks) and plain argument values; the last call also runs the loss.
+    """
     digest = hashlib.sha256()
-    digest.update(f"{block.kind}|{type(module).__qualname__}|{extra}\n".encode())
-    digest.update(f"{tuple(inputs.shape)}|{inputs.dtype}\n{module!r}\n".encode())
+    last = idx == len(chain.call_fqns) - 1
+    digest.update(f"{type(module).__qualname__}|last={last}\n{module!r}\n".encode())
     for name, p in module.named_parameters():
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}\n".encode())
     for name, b in module.named_buffers():
         digest.update(f"{name}:{tuple(b.shape)}:{b.dtype}\n".encode())
+    stream = chain.call(idx).stream
+    for pos, leaf in enumerate(leaf_paths(args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            ctx = "s" if pos < len(stream) and stream[pos] >= 0 else \
+                f"c{contexts.setdefault(id(leaf), len(contexts))}"
+            digest.update(f"{ctx}:{tuple(leaf.shape)}:{leaf.dtype}\n".encode())
+        else:
+            digest.update(f"{leaf!r}"[:200].encode())
     return digest.hexdigest()
 
 

@@ -1,48 +1,36 @@
-"""How each block of a chain is fed and called when it runs on its own.
+"""Feed each block exactly what the model's own forward gives it, one block at a time.
 
-* HF causal LMs (``HFRunner``): the embedding takes token ids (no input gradient),
-  decoder layers take hidden states plus the layer context of
-  ``autopart.intake.HFCausalLM`` (rotary embeddings, causal mask), then the final
-  norm, then the head block, which is ``lm_head`` followed by ``causal_lm_loss``,
-  so its backward starts from the loss. With tied embeddings the head block still
-  counts the shared weight in its own ``param_bytes`` (a stage holding the head
-  holds a copy); ``ModelInfo.num_params`` counts it once.
-* Generic chains (``GenericRunner``, ``nn.Sequential`` / ``ModuleList`` models):
-  each block takes the previous block's output (the first tensor if it returns a
-  tuple). The first input is the model's ``autopart_example_input(micro_batch_size,
-  seq_len)`` if it defines one, else token ids ``[mbs, seq]`` if the first block is
-  (or starts with) an ``nn.Embedding``, else float ``[mbs, seq, in_features]`` with
-  ``in_features`` the last dimension of the first parameter. The last block's loss
-  is ``output.float().pow(2).mean()``.
+``ForwardRunner`` runs the model's forward once (``autopart.intake.forward``) with
+every block call routed to the profiler's ``visit``. The model's code between
+blocks (masks, rotary tables, embedding scaling, position embeddings) runs on
+the *glue device*: the profiling device for ``cpu`` and ``cuda``, the CPU for
+meta (``analytical``) and XLA, where a block's output comes back as zeros of its
+shape. ``visit`` turns a call into a ``BlockTask``: the call's first stream
+argument (what crosses a cut before it) is the task's input, every other
+argument (context) is held fixed. The last call's task ends in the loss: the
+next-token loss on HF causal LMs, ``output.float().pow(2).mean()`` otherwise.
 """
 
 from __future__ import annotations
 
-import copy
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopart.errors import ProfileError
-from autopart.intake import (
-    Block,
-    BlockChain,
-    HFCausalLM,
-    LayerContext,
-    causal_lm_loss,
-    init_rotary,
-)
+from autopart.intake import BlockChain, causal_lm_loss, example_inputs
+from autopart.intake.forward import intercept, leaf_paths, replace_leaves
 
-__all__ = ["BlockTask", "GenericRunner", "HFRunner", "make_runner"]
+__all__ = ["BlockTask", "ForwardRunner", "make_task"]
 
 
 @dataclass(slots=True)
 class BlockTask:
-    """One materialized block, its input and how to call it."""
+    """One materialized block call, its input and how to run it."""
 
     run: Callable[[torch.Tensor], torch.Tensor]
     """Forward from the block input to its output (to the loss for the last block)."""
@@ -54,7 +42,11 @@ class BlockTask:
     """The output is a scalar loss: backward starts from it with no incoming gradient."""
     module: nn.Module
     exclude: tuple[torch.Tensor, ...] = ()
-    """Tensors that are not activations of this block (shared layer context)."""
+    """Tensors that are not activations of this block (context shared by all layers)."""
+    meta_task: Callable[[nn.Module], BlockTask] | None = None
+    """The same call on meta for a meta copy of the module (XLA computes memory there)."""
+    call: Callable[[], Any] | None = None
+    """Run the module on the call's own arguments; its whole output (what the model sees)."""
 
     def forward(self) -> torch.Tensor:
         """Run the block's forward once."""
@@ -65,130 +57,120 @@ class BlockTask:
         return [p for p in self.module.parameters() if p.requires_grad]
 
 
-class HFRunner:
-    """Feeds and calls the blocks of an HF causal LM one at a time."""
-
-    def __init__(self, model: nn.Module, chain: BlockChain, device: torch.device,
-                 dtype: torch.dtype, micro_batch_size: int, seq_len: int) -> None:
-        self.config = model.config
-        self.device, self.dtype = device, dtype
-        self.num_layers = len(model.model.layers)
-        rotary = copy.deepcopy(model.model.rotary_emb)
-        self.shell = types.SimpleNamespace(
-            config=model.config, lm_head=None,
-            model=types.SimpleNamespace(rotary_emb=rotary, layers=[None] * self.num_layers))
-        init_rotary(self.shell, device)
-        self.adapter = HFCausalLM(self.shell)
-        shape = (micro_batch_size, seq_len)
-        self.ids = torch.randint(0, self.config.vocab_size, shape, device=device)
-        self.labels = torch.randint(0, self.config.vocab_size, shape, device=device)
-        self._ctx = None
-
-    def first_input(self) -> torch.Tensor:
-        """Token ids for the embedding."""
-        return self.ids
-
-    def signature_extra(self, block: Block) -> str:
-        """The attention type of a decoder layer (full / sliding) makes blocks differ."""
-        if block.kind == "decoder_layer":
-            return self.adapter.layer_type(_layer_idx(block))
-        return ""
-
-    def task(self, block: Block, module: nn.Module, inputs: torch.Tensor) -> BlockTask:
-        """The task running ``module`` (a materialized copy of ``block``) on ``inputs``."""
-        if block.kind == "embedding":
-            return BlockTask(run=module, inputs=inputs.detach(), input_grad=False,
-                             loss_output=False, module=module)
-        x = inputs.detach().requires_grad_(True)
-        if block.kind == "decoder_layer":
-            idx = _layer_idx(block)
-            self.shell.model.layers = [None] * self.num_layers  # drop the previous block
-            self.shell.model.layers[idx] = module
-            ctx = self._context(x)
-            shared = (ctx.position_ids, *ctx.position_embeddings,
-                      *[m for m in ctx.masks.values() if m is not None])
-            return BlockTask(run=lambda h: self.adapter.layer(idx, h, ctx), inputs=x,
-                             input_grad=True, loss_output=False, module=module, exclude=shared)
-        if block.kind == "head":
-            labels = self.labels
-            return BlockTask(run=lambda h: causal_lm_loss(module(h), labels), inputs=x,
-                             input_grad=True, loss_output=True, module=module)
-        return BlockTask(run=module, inputs=x, input_grad=True, loss_output=False, module=module)
-
-    def _context(self, hidden: torch.Tensor) -> LayerContext:
-        if self._ctx is None:
-            with torch.no_grad():
-                self._ctx = self.adapter.context(hidden.detach())
-        return self._ctx
+Visit = Callable[[int, nn.Module, tuple, dict], Any]
 
 
-class GenericRunner:
-    """Feeds each block of a generic chain the previous block's output."""
+class ForwardRunner:
+    """Runs the model's forward once with every block call handed to a visitor."""
 
     def __init__(self, model: nn.Module, chain: BlockChain, device: torch.device,
                  dtype: torch.dtype, micro_batch_size: int, seq_len: int) -> None:
         self.model, self.chain = model, chain
         self.device, self.dtype = device, dtype
-        self.shape = (micro_batch_size, seq_len)
-        self.last = chain.blocks[-1].name
+        self.glue_device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+        self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
+        self.hf = chain.family == "hf_causal_lm"
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 2) or 2)
+        self.labels = torch.randint(0, vocab, (micro_batch_size, seq_len))
 
-    def first_input(self) -> torch.Tensor:
-        """The first block's input (see the module docstring)."""
-        example = getattr(self.model, "autopart_example_input", None)
-        if callable(example):
-            return self._from_example(example(*self.shape))
-        first = self.model.get_submodule(self.chain.blocks[0].name)
-        owner = next((m for m in first.modules() if any(True for _ in m.parameters(False))), None)
-        if isinstance(owner, nn.Embedding):
-            return torch.randint(0, owner.num_embeddings, self.shape, device=self.device)
-        param = next(first.parameters(), None)
-        if param is None or param.dim() == 0:
-            raise ProfileError(f"cannot infer the input of block {self.chain.blocks[0].name!r}; "
-                               f"define model.autopart_example_input(micro_batch_size, seq_len)")
-        return torch.randn(*self.shape, param.shape[-1], device=self.device, dtype=self.dtype)
+    def run(self, visit: Visit) -> None:
+        """Call ``visit(call_idx, module, args, kwargs)`` for each block call, in order.
 
-    def signature_extra(self, block: Block) -> str:
-        """Generic blocks differ only by structure and input."""
-        return ""
+        ``visit`` returns the call's output as the model's code should see it (on
+        the glue device). The model itself is only read.
+        """
+        args, kwargs = example_inputs(self.model, self.chain.call_fqns, self.micro_batch_size,
+                                      self.seq_len, self.glue_device, self.dtype)
+        calls = self.chain.call_fqns
 
-    def task(self, block: Block, module: nn.Module, inputs: torch.Tensor) -> BlockTask:
-        """The task running ``module`` on the previous output ``inputs``."""
-        grad = inputs.is_floating_point()
-        x = inputs.detach().requires_grad_(grad)
-        if block.name == self.last:
-            return BlockTask(run=lambda t: _first_tensor(module(t)).float().pow(2).mean(),
-                             inputs=x, input_grad=grad, loss_output=True, module=module)
-        return BlockTask(run=lambda t: _first_tensor(module(t)), inputs=x, input_grad=grad,
-                         loss_output=False, module=module)
+        def handler(idx: int, module: nn.Module, original: Any, a: tuple, kw: dict) -> Any:
+            with torch.enable_grad():
+                out = visit(idx, module, a, kw)
+            return out
 
-    def _from_example(self, example: object) -> torch.Tensor:
-        if not isinstance(example, torch.Tensor):
-            raise ProfileError(f"autopart_example_input returned {type(example).__name__}, "
-                               f"expected one tensor")
-        if example.is_meta and self.device.type != "meta":
-            example = (torch.randn(example.shape, dtype=example.dtype)
-                       if example.is_floating_point() else torch.zeros(example.shape,
-                                                                       dtype=example.dtype))
-        if example.is_floating_point():
-            example = example.to(self.dtype)
-        return example.to(self.device)
+        moved = _buffers_to(self.model, calls, self.glue_device)
+        try:
+            with torch.no_grad(), intercept(self.model, calls, handler):
+                self.model(*args, **kwargs)
+        finally:
+            for module, name, buf in moved:
+                module._buffers[name] = buf
+
+    def to_glue(self, output: Any) -> Any:
+        """A block's output as the model's code should see it (zeros when it ran on meta)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.is_meta:
+                return torch.zeros(t.shape, dtype=t.dtype, device=self.glue_device)
+            return t.detach().to(self.glue_device)
+        return tree_map_only(torch.Tensor, move, output)
 
 
-def make_runner(model: nn.Module, chain: BlockChain, device: torch.device, dtype: torch.dtype,
-                micro_batch_size: int, seq_len: int) -> HFRunner | GenericRunner:
-    """The runner for ``chain``'s family."""
-    cls = HFRunner if chain.family == "hf_causal_lm" else GenericRunner
-    return cls(model, chain, device, dtype, micro_batch_size, seq_len)
+def make_task(chain: BlockChain, call_idx: int, module: nn.Module, args: tuple, kwargs: dict,
+              device: torch.device, labels: torch.Tensor) -> BlockTask:
+    """The task running ``module`` (a materialized copy) on the call's arguments on ``device``.
+
+    Raises:
+        ProfileError: the call has no tensor argument to start from.
+    """
+    record = chain.call(call_idx)
+    args, kwargs = tree_map_only(torch.Tensor, lambda t: _on(t, device), (args, kwargs))
+    leaves = leaf_paths(args, kwargs)
+    positions = [i for i, slot in enumerate(record.stream) if slot == 0]
+    if not positions:
+        positions = [next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)), -1)]
+        if positions[0] < 0:
+            raise ProfileError(f"block {record.fqn} receives no tensor; autopart cannot time it")
+    start = leaves[positions[0]]
+    grad = start.is_floating_point() and record.num_stream > 0
+    x = start.detach().requires_grad_(grad)
+    context = tuple(leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+                    and i not in positions)
+    last = call_idx == len(chain.call_fqns) - 1
+    hf = chain.family == "hf_causal_lm"
+    target = labels.to(device) if device.type != "meta" else torch.empty_like(labels,
+                                                                               device="meta")
+
+    def run(value: torch.Tensor) -> torch.Tensor:
+        a, kw = replace_leaves(args, kwargs, {i: value for i in positions})
+        out = _first_tensor(module(*a, **kw), record.fqn)
+        if not last:
+            return out
+        if hf:
+            return causal_lm_loss(out, target)
+        return out.float().pow(2).mean()
+
+    def on_meta(meta_module: nn.Module) -> BlockTask:
+        return make_task(chain, call_idx, meta_module, args, kwargs, torch.device("meta"),
+                         labels)
+
+    return BlockTask(run=run, inputs=x, input_grad=grad, loss_output=last, module=module,
+                     exclude=context, meta_task=on_meta, call=lambda: module(*args, **kwargs))
 
 
-def _layer_idx(block: Block) -> int:
-    return int(block.name.rsplit(".", 1)[1])
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "meta":
+        return torch.empty_like(t, device="meta")
+    return t.detach().to(device)
 
 
-def _first_tensor(out: object) -> torch.Tensor:
+def _buffers_to(model: nn.Module, calls: list[str], device: torch.device) -> list:
+    """Move buffers outside the blocks to the glue device; return what to restore."""
+    moved = []
+    blocks = tuple(f + "." for f in calls)
+    for fqn, module in model.named_modules():
+        if fqn in calls or (fqn + ".").startswith(blocks):
+            continue
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not buf.is_meta and buf.device != device:
+                moved.append((module, name, buf))
+                module._buffers[name] = buf.to(device)
+    return moved
+
+
+def _first_tensor(out: object, fqn: str) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
-    for leaf in tree_leaves(out):
+    for leaf in tree_flatten(out)[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf
-    raise ProfileError(f"a block returned {type(out).__name__} with no tensor in it")
+    raise ProfileError(f"block {fqn} returned {type(out).__name__} with no tensor in it")
