@@ -28,8 +28,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from transformers import LlamaConfig
 from transformers.masking_utils import create_causal_mask
 
-from autopart.intake import causal_lm_loss, discover_blocks, init_rotary
-from autopart.intake.sources import build_hf_model
+from autopart.intake import causal_lm_loss, discover_blocks
+from autopart.intake.sources import build_hf_model, empty_on
 from autopart.runtime import auto_pipeline
 from autopart.schedules import SCHEDULES, stage_to_rank
 from autopart.schema import Plan, RankPlan, StagePlan
@@ -82,9 +82,8 @@ def _plan(chain, schedule: str, counts: list[int]) -> Plan:
 
 def _manual(plan: Plan, state: dict, rank: int, num_tokens: list[int]):
     model = build_hf_model(LlamaConfig(**CONFIG))
-    model.to_empty(device="cpu")
+    empty_on(model, "cpu")
     model.load_state_dict(state)
-    init_rotary(model, "cpu")
     pipe_stages = []
     for stage in plan.stages_of_rank(rank):
         ids = [int(m.rsplit(".", 1)[1]) for m in stage.modules if m.startswith("model.layers.")]
@@ -127,8 +126,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     ref = build_hf_model(LlamaConfig(**CONFIG))
-    ref.to_empty(device="cpu")
-    ref.init_weights()
+    empty_on(ref, "cpu")
+    for module in ref.modules():
+        ref._init_weights(module)
     state = ref.state_dict()
     plan = _plan(discover_blocks(build_hf_model(LlamaConfig(**CONFIG))), args.schedule,
                  args.counts)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from families import init_real
 from runtime_helpers import make_plan, padded_batch, run_ranks
 
-from autopart.intake import discover_blocks, init_rotary, load_model
+from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -24,10 +25,8 @@ NUM_STEPS = 4
 
 def _real_model(seed: int = 0) -> torch.nn.Module:
     model = load_model(SOURCE).model
-    model.to_empty(device="cpu")
     torch.manual_seed(seed)
-    model.init_weights()
-    init_rotary(model, "cpu")
+    init_real(model)
     return model
 
 

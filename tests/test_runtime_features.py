@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import init_real
 from runtime_helpers import make_plan, max_grad_diffs, padded_batch, run_ranks
 
-from autopart.intake import discover_blocks, init_rotary, load_model
+from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline
 
 pytestmark = pytest.mark.multiprocess
@@ -23,10 +24,8 @@ TOL = 1e-5
 
 def _reference(source: str, batch, autocast: bool = False):
     model = load_model(source).model
-    model.to_empty(device="cpu")
     torch.manual_seed(0)
-    model.init_weights()
-    init_rotary(model, "cpu")
+    init_real(model)
     input_ids, mask, labels = batch
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
@@ -92,11 +91,15 @@ def _layers(stage) -> list[str]:
 
 
 def _count_layer_calls(pipe) -> list:
-    """A list that grows by one per decoder-layer forward (recomputation included)."""
+    """A list that grows by one per decoder-layer forward (recomputation included).
+
+    The hook sits on each layer's MLP: recomputation re-runs the layer's forward
+    inside it, not the hooks of the layer module itself.
+    """
     calls: list = []
     for stage in pipe.stage_plans:
         for fqn in _layers(stage):
-            pipe.module.get_submodule(fqn).register_forward_pre_hook(
+            pipe.module.get_submodule(f"{fqn}.mlp").register_forward_pre_hook(
                 lambda *args: calls.append(1))
     return calls
 

@@ -1,4 +1,4 @@
-"""Pipelined custom models (nn.Sequential, ModuleList chains) vs the unpipelined model.
+"""Pipelined custom models (nn.Sequential, ModuleList models) vs the unpipelined model.
 
 Loss and every gradient must equal those of the same model run whole on the same
 batch with the same (microbatch-mean) loss_fn, for every schedule.
@@ -55,6 +55,38 @@ class Stack(nn.Module):
         return self.proj_out(x)
 
 
+class _Mix(nn.Module):
+    """A layer that also reads a ``memory`` tensor (the first projection's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + 0.1 * memory
+
+
+class ResidualStack(nn.Module):
+    """Residual adds between the layers and a memory passed to every layer.
+
+    Both values cross every cut and are used again after the next layer starts,
+    so the stages must use the received tensors for those later uses too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(8, WIDTH)
+        self.layers = nn.ModuleList(_Mix() for _ in range(6))
+        self.proj_out = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.proj_in(x)
+        h = memory
+        for layer in self.layers:
+            h = h + layer(h, memory)
+        return self.proj_out(h)
+
+
 def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
@@ -69,7 +101,8 @@ def _reference(factory, x: torch.Tensor, y: torch.Tensor):
 
 
 def _worker(rank: int, world_size: int, factory_name: str, in_dim: int) -> dict:
-    factory = {"sequential": make_sequential, "stack": Stack}[factory_name]
+    factory = {"sequential": make_sequential, "stack": Stack,
+               "residual": ResidualStack}[factory_name]
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, in_dim, generator=gen), torch.randn(8, 4, generator=gen)
     state, ref_loss, ref_grads = _reference(factory, x, y)
@@ -81,8 +114,7 @@ def _worker(rank: int, world_size: int, factory_name: str, in_dim: int) -> dict:
                          num_microbatches=num_mb)
         with torch.device("meta"):
             model = factory()
-        pipe = auto_pipeline(model, plan=plan, loss_fn=_loss_fn, device="cpu",
-                             straight_chain=True)
+        pipe = auto_pipeline(model, plan=plan, loss_fn=_loss_fn, device="cpu")
         pipe.load_state_dict(state)
         loss = pipe.step(x, target=y)
         diffs = max_grad_diffs(pipe.named_parameters(), ref_grads)
@@ -110,5 +142,15 @@ def test_sequential_every_schedule(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_modulelist_chain_every_schedule(tmp_path):
-    """proj_in, ModuleList of 6 blocks, proj_out (intake's straight chain) on 2 ranks."""
+    """proj_in, ModuleList of 6 blocks, proj_out, found through the forward, on 2 ranks."""
     _check(run_ranks(_worker, 2, tmp_path, "stack", 8))
+
+
+@pytest.mark.timeout(240)
+def test_residual_and_memory_across_cuts_every_schedule(tmp_path):
+    """Residual adds outside the layers and a memory read by every layer, on 2 ranks."""
+    with torch.device("meta"):
+        chain = discover_blocks(ResidualStack())
+    assert chain.names == ["proj_in", *[f"layers.{i}" for i in range(6)], "proj_out"]
+    assert chain.trace.stream_reused
+    _check(run_ranks(_worker, 2, tmp_path, "residual", 8))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import init_real
 from runtime_helpers import make_plan, max_grad_diffs, padded_batch, run_ranks
 from transformers import LlamaConfig
 
-from autopart.intake import discover_blocks, init_rotary, load_model
+from autopart.intake import discover_blocks, load_model
 from autopart.intake.sources import build_hf_model
 from autopart.runtime import auto_pipeline
 
@@ -37,10 +38,8 @@ SCHEDULES_PP2 = {
 def reference(source: str | LlamaConfig, batch: tuple[torch.Tensor, ...], seed: int = 0):
     """Real-weight model, its state dict, loss and gradients on the whole batch."""
     model = _meta_model(source)
-    model.to_empty(device="cpu")
     torch.manual_seed(seed)
-    model.init_weights()  # also re-ties tied embeddings
-    init_rotary(model, "cpu")
+    init_real(model)
     input_ids, mask, labels = batch
     out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
     out.loss.backward()

@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.intake import BlockChain, discover_blocks, init_rotary, load_model
+from autopart.errors import RuntimeSetupError
+from autopart.intake import BlockChain, discover_blocks, load_model
+from autopart.intake.sources import move_outside_blocks
 from autopart.runtime.groups import Groups, resolve_groups, tied_group
-from autopart.runtime.hf_stage import TokenMeanLoss
+from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.materialize import materialize_blocks
 from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
@@ -33,7 +35,6 @@ __all__ = ["auto_pipeline"]
 
 logger = logging.getLogger(__name__)
 
-_EMBED, _HEAD = "model.embed_tokens", "lm_head"
 
 
 def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
@@ -46,8 +47,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                   checkpoint_path: str | Path | None = None,
                   autocast_dtype: torch.dtype | None = None,
                   init_seed: int = 0,
-                  plan_options: dict[str, Any] | None = None,
-                  straight_chain: bool = False) -> PipelinedModel:
+                  plan_options: dict[str, Any] | None = None) -> PipelinedModel:
     """Build this rank's stages of ``model_or_source`` as ``plan`` says.
 
     ``model_or_source``: a model (best on the meta device) or an ``autopart`` model
@@ -63,14 +63,11 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     else the model's own initialization seeded per block (``init_seed``).
     ``activation_checkpointing``: ``"plan"`` (stages the plan marks), ``True`` (all)
     or ``None``. ``autocast_dtype``: run forward under ``torch.autocast``.
-    ``straight_chain``: confirm that a model whose blocks were found from its largest
-    ``ModuleList`` computes exactly block after block (refused otherwise, since the
-    pipeline would skip what its forward does between blocks).
     """
     groups = resolve_groups(pp_group, device_mesh)
     root = load_model(model_or_source).model
     chain = discover_blocks(root)
-    check_model(chain, has_loss_fn=loss_fn is not None, straight_chain=straight_chain)
+    check_model(chain, has_loss_fn=loss_fn is not None)
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
     plan_obj = resolve_plan(plan, model_or_source, chain, groups, dev.type, plan_options)
@@ -86,14 +83,15 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                        "microbatch; prefer 1f1b or interleaved-1f1b with recompute",
                        plan_obj.schedule)
     hf = chain.family == "hf_causal_lm"
-    aliases = {f"{_HEAD}.weight": f"{_EMBED}.weight"} if hf and chain.tied_embeddings else {}
+    ties = tied_parameters(root, chain)
+    aliases = {later: first for first, later in ties}
 
     module = _materialize(root, chain, mine, dev, dtype=dtype, param_init_fn=param_init_fn,
                           checkpoint_path=checkpoint_path, init_seed=init_seed,
-                          aliases=aliases)
+                          aliases=aliases, ties=ties)
     stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
                                         autocast_dtype=autocast_dtype)
-    tied = _tie_across_ranks(module, plan_obj, chain, groups, mine)
+    tied = _tie_across_ranks(module, plan_obj, chain, groups, ties)
     token_loss = TokenMeanLoss() if hf and loss_fn is None else None
     pipe_stages = wrap_stages(stage_modules, mine, len(plan_obj.stages), dev, groups.pp_group)
     schedule = build_schedule(plan_obj, pipe_stages, token_loss or loss_fn,
@@ -115,17 +113,41 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def tied_parameters(root: nn.Module, chain: BlockChain) -> list[tuple[str, str]]:
+    """``(first, later)`` FQNs of parameters that two blocks share (tied embedding and head)."""
+    owner: dict[int, tuple[str, str]] = {}
+    ties: list[tuple[str, str]] = []
+    for block in chain.blocks:
+        for fqn in block.fqns:
+            for name, p in root.get_submodule(fqn).named_parameters(remove_duplicate=False):
+                full = f"{fqn}.{name}"
+                if id(p) not in owner:
+                    owner[id(p)] = (block.name, full)
+                elif owner[id(p)][0] != block.name:
+                    ties.append((owner[id(p)][1], full))
+    return ties
+
+
+def _block_of(chain: BlockChain, param_fqn: str) -> str:
+    return next(b.name for b in chain.blocks for f in b.fqns if param_fqn.startswith(f + "."))
+
+
 def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
-                 device: torch.device, **kwargs) -> nn.Module:
-    """Real storage for this rank's blocks (+ shared modules); a tree of them with FQNs."""
+                 device: torch.device, ties: list[tuple[str, str]], **kwargs) -> nn.Module:
+    """Real storage for this rank's blocks; the model's code between blocks moved to ``device``."""
     index = {name: i for i, name in enumerate(chain.names)}
-    fqns = [m for stage in mine for m in stage.modules]
+    blocks = {b.name: b for b in chain.blocks}
+    owned = [(index[name], fqn) for stage in mine for name in stage.modules
+             for fqn in blocks[name].fqns]
+    fqns = [fqn for _, fqn in owned]
     module = prune(root, [*fqns, *chain.shared_modules])
-    materialize_blocks(root, [(index[f], f) for f in fqns], device=device, **kwargs)
-    if chain.family == "hf_causal_lm":
-        init_rotary(module, device)
-        if chain.tied_embeddings and _EMBED in fqns and _HEAD in fqns:
-            module.get_submodule(_HEAD).weight = module.get_submodule(_EMBED).weight
+    materialize_blocks(root, owned, device=device, **kwargs)
+    move_outside_blocks(root, chain.call_fqns, device)
+    for first, later in ties:
+        if any(first.startswith(f + ".") for f in fqns) and \
+                any(later.startswith(f + ".") for f in fqns):
+            holder, _, leaf = later.rpartition(".")
+            setattr(module.get_submodule(holder), leaf, module.get_parameter(first))
     if hasattr(root, "config"):
         module.config = root.config
     module.train()
@@ -133,16 +155,23 @@ def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
 
 
 def _tie_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups: Groups,
-                      mine: list[StagePlan]) -> TiedWeight | None:
-    """Tied embedding split over two ranks: a group of the two, same initial values."""
-    if not (chain.family == "hf_causal_lm" and chain.tied_embeddings):
+                      ties: list[tuple[str, str]]) -> TiedWeight | None:
+    """A weight shared by blocks on two ranks: a group of the two, same initial values."""
+    if not ties:
         return None
-    first_rank, last_rank = plan.stages[0].rank, plan.stages[-1].rank
+    if len(ties) > 1:
+        raise RuntimeSetupError(f"{len(ties)} parameters are shared between blocks (e.g. "
+                                f"{ties[1][1]}); autopart keeps one shared weight in sync "
+                                f"across ranks; untie the others")
+    ((first, later),) = ties
+    rank_of = {m: s.rank for s in plan.stages for m in s.modules}
+    first_rank = rank_of[_block_of(chain, first)]
+    last_rank = rank_of[_block_of(chain, later)]
     if first_rank == last_rank or groups.pp_rank not in (first_rank, last_rank):
         return None
     group = tied_group(groups, first_rank, last_rank)
     is_first = groups.pp_rank == first_rank
-    param = module.get_submodule(_EMBED if is_first else _HEAD).weight
+    param = module.get_parameter(first if is_first else later)
     with torch.no_grad():
         dist.broadcast(param.data, src=groups.pp_global_ranks[first_rank], group=group)
     return TiedWeight(param=param, group=group, counts_in_norm=is_first)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError
+from autopart.intake.sources import empty_on
 
 __all__ = ["SafetensorsReader", "materialize_blocks"]
 
@@ -77,7 +78,7 @@ def materialize_blocks(root: nn.Module, blocks: list[tuple[int, str]], *,
         module = root.get_submodule(fqn)
         on_meta = any(t.is_meta for t in _tensors(module))
         if on_meta:
-            module.to_empty(device=device)
+            empty_on(module, device)
         else:
             module.to(device)
         if dtype is not None:
@@ -123,6 +124,6 @@ def _init_block(root: nn.Module, module: nn.Module, block_idx: int,
                 hf_init(sub)
             elif hasattr(sub, "reset_parameters"):
                 sub.reset_parameters()
-    if any(True for _ in module.buffers()) and param_init_fn is None:
+    if any(b.is_meta for b in module.buffers()) and param_init_fn is None:
         logger.warning("block %s has buffers that default initialization does not set; "
                        "pass param_init_fn or checkpoint_path", type(module).__name__)

@@ -18,7 +18,8 @@ from torch import nn
 
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.groups import Groups, all_reduce_grads
-from autopart.runtime.hf_stage import TokenMeanLoss, count_target_tokens
+from autopart.runtime.loss import TokenMeanLoss, count_target_tokens
+from autopart.runtime.stages import input_kwarg
 from autopart.schema import Plan, StagePlan
 
 __all__ = ["PipelinedModel", "TiedWeight"]
@@ -83,6 +84,8 @@ class PipelinedModel:
             self._token_loss.num_tokens = self._count_tokens(target)
         args = tuple(self._to_device(t) for t in inputs) if self.is_first else ()
         kw = {k: self._to_device(v) for k, v in kwargs.items() if v is not None}
+        # stages after the first run the model's own forward too: they get its inputs
+        kw.update({input_kwarg(i): self._to_device(t) for i, t in enumerate(inputs)})
         mb_losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=self._to_device(target) if self.is_last else None,
                            losses=mb_losses, return_outputs=False, **kw)

@@ -1,15 +1,29 @@
 """Build this rank's stage modules and the torch schedule that drives them.
 
-A stage module is a pruned copy of the model tree holding one stage's blocks under
-their original FQNs (``HFStage`` for HF causal LMs, ``ChainStage`` for straight
-chains of blocks). Each becomes a ``torch.distributed.pipelining.PipelineStage``;
-the schedule class comes from ``autopart.schedules.SCHEDULES``.
+A stage module (``ForwardStage``) holds one stage's blocks under their original
+FQNs and runs the **model's own forward** for every microbatch, with
+``autopart.intake.forward.intercept`` deciding what each block call does:
+
+* blocks before the stage are stood in for (``meta_stub``: zeros of the right
+  shape; the intake trace proved their values never reach this stage's blocks);
+* the stage's first block gets the tensors received from the previous stage in
+  place of its stream arguments (``layer(h, h)`` gets the one tensor twice);
+* the stage's blocks run for real (checkpointed when the plan says so);
+* the first block after the stage stops the forward, and its stream arguments
+  are what the stage sends on. The last stage returns the model's output (HF:
+  the logits).
+
+So masks, rotary embeddings, embedding scaling and any other code between blocks
+run exactly as in the unpipelined model, for every family, with no names of one.
+Each becomes a ``torch.distributed.pipelining.PipelineStage``; the schedule class
+comes from ``autopart.schedules.SCHEDULES``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,56 +33,116 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
 from autopart.intake import BlockChain
-from autopart.runtime.hf_stage import HFStage
+from autopart.intake.forward import (
+    StageExit,
+    Substitute,
+    intercept,
+    leaf_paths,
+    meta_stub,
+    model_output_tensor,
+)
 from autopart.runtime.tree import Tree, prune
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["ChainStage", "build_schedule", "build_stage_modules", "wrap_stages"]
+__all__ = ["ForwardStage", "build_schedule", "build_stage_modules", "input_kwarg",
+           "wrap_stages"]
 
 
-class ChainStage(Tree):
-    """A straight run of blocks: each block takes the previous block's output."""
+def input_kwarg(idx: int) -> str:
+    """Keyword under which stages after the first receive the model's ``idx``-th input."""
+    return f"autopart_input_{idx}"
 
-    def __init__(self, root: nn.Module, fqns: list[str], *, recompute: bool = False,
+
+class ForwardStage(Tree):
+    """Blocks ``fqns`` of ``root``, run inside the model's own forward (see the module docstring)."""
+
+    def __init__(self, root: nn.Module, chain: BlockChain, block_names: list[str], *,
+                 recompute: bool = False,
                  autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        prune(root, fqns, into=self)
-        self._fqns = list(fqns)
+        index = {b.name: i for i, b in enumerate(chain.blocks)}
+        blocks = [chain.blocks[index[n]] for n in block_names]
+        prune(root, [f for b in blocks for f in b.fqns], into=self)
+        object.__setattr__(self, "_root", root)  # the skeleton: not a submodule of the stage
+        self.config = getattr(root, "config", None)
+        self._calls = chain.call_fqns
+        self._first_call = blocks[0].calls[0]
+        self._end_call = blocks[-1].calls[-1] + 1
+        self.is_first = self._first_call == 0
+        self.is_last = self._end_call == len(self._calls)
+        self._in_slots = chain.call(self._first_call).stream
+        self._out_slots = None if self.is_last else chain.call(self._end_call).stream
+        self._const_kwargs = {"use_cache": False} if chain.family == "hf_causal_lm" else {}
+        self._reuse = bool(chain.trace is not None and chain.trace.stream_reused)
+        self._stubs: dict[int, meta_stub] = {}
+        self._shapes: dict = {}  # output shapes shared by this stage's identical stand-ins
         self._recompute = recompute
         self._autocast_dtype = autocast_dtype
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Run the blocks in order; a tuple output is unpacked into the next block."""
-        out: torch.Tensor | tuple[torch.Tensor, ...] = args
-        ctx = (torch.autocast(device_type=args[0].device.type, dtype=self._autocast_dtype)
-               if self._autocast_dtype is not None else contextlib.nullcontext())
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
+        """Model inputs (first stage) or received tensors -> tensors to send, or the model output."""
+        inputs = []
+        while input_kwarg(len(inputs)) in kwargs:
+            inputs.append(kwargs.pop(input_kwarg(len(inputs))))
+        model_args = args if self.is_first else tuple(inputs)
+        received = None if self.is_first else args
+        device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
         recompute = self._recompute and self.training and torch.is_grad_enabled()
-        with ctx:
-            for fqn in self._fqns:
-                block = self.get_submodule(fqn)
-                inputs = out if isinstance(out, tuple) else (out,)
-                out = (checkpoint(block, *inputs, use_reentrant=False) if recompute
-                       else block(*inputs))
-        return out
+        swaps = Substitute()
+
+        def handler(idx: int, module: nn.Module, original: Callable[..., Any], a: tuple,
+                    kw: dict) -> Any:
+            if idx < self._first_call:
+                return self._stub(idx)(a, kw, device)
+            if idx == self._first_call and received is not None:
+                leaves = leaf_paths(a, kw)
+                for pos, slot in enumerate(self._in_slots):
+                    if slot >= 0:
+                        swaps.add(leaves[pos], received[slot])
+            a, kw = swaps.swap(a, kw)
+            if idx == self._end_call:
+                raise StageExit(self._stream_of(a, kw))
+            if recompute:
+                return checkpoint(original, *a, use_reentrant=False, **kw)
+            return original(*a, **kw)
+
+        autocast = (torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
+                    if self._autocast_dtype is not None and device is not None
+                    else contextlib.nullcontext())
+        glue = swaps if self._reuse and received is not None else contextlib.nullcontext()
+        try:
+            with autocast, intercept(self._root, self._calls, handler), glue:
+                output = self._root(*model_args, **self._const_kwargs, **kwargs)
+        except StageExit as stop:
+            return stop.value
+        return model_output_tensor(output)
+
+    def _stream_of(self, args: tuple, kwargs: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        leaves = leaf_paths(args, kwargs)
+        picked: dict[int, torch.Tensor] = {}
+        for pos, slot in enumerate(self._out_slots or ()):
+            if slot >= 0:
+                picked.setdefault(slot, leaves[pos])
+        # torch's zero-bubble backward detaches stage outputs in place, which a view
+        # (HF heads read ``hidden_states[:, slice, :]``) does not allow: send a copy
+        values = tuple(t.clone() if t._is_view() else t
+                       for t in (picked[s] for s in sorted(picked)))
+        return values[0] if len(values) == 1 else values
+
+    def _stub(self, idx: int) -> meta_stub:
+        if idx not in self._stubs:
+            self._stubs[idx] = meta_stub(self._root.get_submodule(self._calls[idx]),
+                                         self._shapes)
+        return self._stubs[idx]
 
 
 def build_stage_modules(root: nn.Module, chain: BlockChain, stages: list[StagePlan], *,
                         recompute: Callable[[StagePlan], bool],
                         autocast_dtype: torch.dtype | None) -> list[nn.Module]:
     """One stage module per stage plan (already materialized blocks of ``root``)."""
-    modules: list[nn.Module] = []
-    for stage in stages:
-        fqns = list(stage.modules)
-        if chain.family == "hf_causal_lm":
-            module: nn.Module = HFStage(root, fqns, chain.shared_modules,
-                                        recompute=recompute(stage),
-                                        autocast_dtype=autocast_dtype)
-        else:
-            module = ChainStage(root, fqns, recompute=recompute(stage),
-                                autocast_dtype=autocast_dtype)
-        modules.append(module)
-    return modules
+    return [ForwardStage(root, chain, list(stage.modules), recompute=recompute(stage), autocast_dtype=autocast_dtype)
+            for stage in stages]
 
 
 def wrap_stages(modules: list[nn.Module], stages: list[StagePlan], num_stages: int,

@@ -16,23 +16,12 @@ from autopart.schema import Plan
 __all__ = ["check_model", "check_plan", "recompute_rule"]
 
 
-def check_model(chain: BlockChain, *, has_loss_fn: bool, straight_chain: bool = False) -> None:
+def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
     """Raise ``RuntimeSetupError`` for models the runtime cannot train as given."""
-    if chain.family == "modulelist" and not straight_chain:
-        raise RuntimeSetupError(
-            "this model's blocks come from its largest ModuleList, and autopart would run "
-            "them as a straight chain (each block's output is the next block's input), "
-            "skipping anything its forward does between them (activations, residual adds); "
-            "pass straight_chain=True if that is exactly its forward, or give an "
-            "nn.Sequential")
     if chain.family != "hf_causal_lm" and not has_loss_fn:
         raise RuntimeSetupError(
             f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
             f"stage; pass loss_fn=... to auto_pipeline on every rank")
-    if chain.family != "hf_causal_lm" and chain.tied_embeddings:
-        raise RuntimeSetupError(
-            f"two blocks of this {chain.family} model share a parameter; autopart keeps shared "
-            f"weights in sync only for HF tied embeddings; untie them or use one block")
 
 
 def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, where: str = "the plan") -> None:

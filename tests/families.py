@@ -1,0 +1,72 @@
+"""Tiny configs of every decoder-only HF family autopart serves (built on meta, no hub)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_COMMON = {"vocab_size": 96, "hidden_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 64,
+           "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0,
+           "pad_token_id": 0}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 8},
+    "mistral": {"sliding_window": 6},
+    "gemma": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 6},
+    "gemma3_text": {"head_dim": 8, "sliding_window": 6, "sliding_window_pattern": 2},
+    "phi3": {},
+    "olmo2": {},
+    "gpt2": {"n_embd": 32, "n_head": 4, "n_layer": 4, "n_positions": 64, "resid_pdrop": 0.0,
+             "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "gpt_neox": {},
+    "falcon": {"new_decoder_architecture": False, "hidden_dropout": 0.0,
+               "attention_dropout": 0.0},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "head_dim": 8},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                    "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1,
+                    "num_key_value_heads": 4},
+}
+_ONLY = {"gpt2": ("vocab_size", "bos_token_id", "eos_token_id"),
+         "falcon": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
+                    "bos_token_id", "eos_token_id")}
+
+
+def tiny_config(model_type: str, **overrides: Any):
+    """An ``AutoConfig`` of ``model_type`` a few thousand parameters large."""
+    from transformers import AutoConfig
+
+    keys = _ONLY.get(model_type)
+    base = {k: v for k, v in _COMMON.items() if keys is None or k in keys}
+    base.update(FAMILIES[model_type])
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def real_model(config) -> nn.Module:
+    """The unpipelined reference: the same model with real, seeded weights on the CPU."""
+    from autopart.intake.sources import build_hf_model
+
+    model = build_hf_model(config)
+    torch.manual_seed(0)
+    return init_real(model)
+
+
+def init_real(model: nn.Module) -> nn.Module:
+    """Give an HF model built on meta real storage on the CPU and its own initialization."""
+    from autopart.intake.sources import empty_on
+
+    empty_on(model, "cpu")
+    for module in model.modules():
+        model._init_weights(module)
+    model.tie_weights()
+    return model
