@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,9 @@ from torch import nn
 from autopart._data import data_path
 from autopart.errors import ModelSourceError
 
-__all__ = ["LoadedModel", "build_hf_model", "empty_on", "fill_meta_buffers", "list_presets",
-           "load_hf_config", "load_model", "move_outside_blocks", "params_on_meta"]
+__all__ = ["LoadedModel", "build_hf_model", "empty_on", "fill_meta_buffers", "init_empty",
+           "list_presets", "load_hf_config", "load_model", "move_outside_blocks",
+           "params_on_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +177,35 @@ def empty_on(module: nn.Module, device: torch.device | str) -> None:
                     else b.to(device)
 
 
+def init_empty(module: nn.Module, *, std: float = 0.02) -> list[str]:
+    """Initialize a module just given empty storage the way its classes would.
+
+    Each submodule's ``reset_parameters`` (or torch's private ``_reset_parameters``,
+    which ``nn.MultiheadAttention`` and ``nn.Transformer`` use) sets its own
+    parameters. Parameters no such method covers get zeros (biases), ones (other
+    1-D weights) or N(0, ``std``); their names are returned so callers can say so.
+    Call it under ``torch.no_grad()`` with the RNG seeded as wanted.
+    """
+    covered: set[int] = set()
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+            covered.update(id(p) for p in sub.parameters(recurse=False))
+    uncovered = []
+    for name, p in module.named_parameters():
+        if id(p) in covered:
+            continue
+        uncovered.append(name)
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std)
+    return uncovered
+
+
 def fill_meta_buffers(model: nn.Module) -> list[str]:
     """Give an HF model built entirely on meta the real buffers a fresh build computes.
 
@@ -267,6 +298,8 @@ def _hub_config(repo_id: str) -> Any:
 
 def _from_factory(spec: str, name: str | None) -> LoadedModel:
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` does: factories next to the user
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

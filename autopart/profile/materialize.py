@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autopart.intake.forward import meta_safe_experts
-from autopart.intake.sources import empty_on
+from autopart.intake.sources import empty_on, init_empty
 
 __all__ = ["materialize_block", "module_bytes", "param_bytes_and_count"]
 
@@ -71,22 +71,8 @@ def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
 
 def _generic_init(block: nn.Module, *, zero_buffers: bool) -> None:
     """Give every parameter and buffer defined values (to_empty leaves garbage, even NaN)."""
-    covered: set[int] = set()
-    for sub in block.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-            covered.update(id(p) for p in sub.parameters(recurse=False))
-    for sub in block.modules():
-        for name, p in sub.named_parameters(recurse=False):
-            if id(p) in covered:
-                continue
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, _INIT_STD)
-        for buf in sub.buffers(recurse=False) if zero_buffers else ():
-            if not getattr(sub, "reset_parameters", None):
+    init_empty(block, std=_INIT_STD)
+    for sub in block.modules() if zero_buffers else ():
+        if not getattr(sub, "reset_parameters", None):
+            for buf in sub.buffers(recurse=False):
                 buf.zero_()

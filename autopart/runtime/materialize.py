@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.sources import empty_on
+from autopart.intake.sources import empty_on, init_empty
 
 __all__ = ["SafetensorsReader", "materialize_blocks"]
 
@@ -119,11 +119,15 @@ def _init_block(root: nn.Module, module: nn.Module, block_idx: int,
             param_init_fn(module)
             return
         hf_init = getattr(root, "_init_weights", None)
-        for sub in module.modules():
-            if hf_init is not None:
-                hf_init(sub)
-            elif hasattr(sub, "reset_parameters"):
-                sub.reset_parameters()
+        if hf_init is None:
+            uncovered = init_empty(module)
+            if uncovered:
+                logger.warning("block %d (%s): no reset_parameters sets %s; they got "
+                               "zeros, ones or N(0, 0.02); pass param_init_fn or "
+                               "checkpoint_path to choose", block_idx, type(module).__name__,
+                               ", ".join(uncovered[:3]))
+        for sub in module.modules() if hf_init is not None else ():
+            hf_init(sub)
     if any(b.is_meta for b in module.buffers()) and param_init_fn is None:
         logger.warning("block %s has buffers that default initialization does not set; "
                        "pass param_init_fn or checkpoint_path", type(module).__name__)
