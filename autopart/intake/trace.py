@@ -98,12 +98,12 @@ class _Labels(TorchFunctionMode):
         if self.inside:
             return out
         name = getattr(func, "__name__", "")
+        if name in _NO_VALUE or name == "__get__":  # shapes, dtypes: no values used
+            return out
         inputs = leaf_paths(tuple(args), kwargs)
         for x in inputs:
             if isinstance(x, nn.Parameter):
                 self.params_in_glue.append(f"{tuple(x.shape)}")
-        if name in _NO_VALUE or name == "__get__":
-            return out
         labels = [self.label_of(x) for x in inputs]
         for x, label in zip(inputs, labels):
             if label:
