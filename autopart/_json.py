@@ -135,7 +135,7 @@ def _build(cls: type, data: Any, source: str, where: str, remedy_cmd: str) -> An
         kwargs[f.name] = _convert(hints[f.name], data[f.name], source, key, remedy_cmd)
     try:
         return cls(**kwargs)
-    except (TypeError, AssertionError, SchemaError) as exc:
+    except (TypeError, SchemaError) as exc:
         raise SchemaError(f"{source}: inconsistent {where or cls.__name__} ({exc}); "
                           f"regenerate it with `{remedy_cmd}`") from None
 

@@ -273,9 +273,26 @@ class Plan(JsonFile):
     """The profile's dtype."""
 
     def __post_init__(self) -> None:
+        # Plans come from users' files: check with exceptions, which ``python -O`` keeps.
+        for name in ("pp_size", "virtual_stages", "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SchemaError(f"plan {name} must be an integer >= 1, got {value!r}")
         num_stages = self.pp_size * self.virtual_stages
-        assert len(self.stages) == num_stages, (len(self.stages), num_stages)
-        assert len(self.pipeline_cuts) == num_stages - 1, (self.pipeline_cuts, num_stages)
+        if len(self.stages) != num_stages:
+            raise SchemaError(f"plan has {len(self.stages)} stage(s), expected pp_size x "
+                              f"virtual_stages = {self.pp_size} x {self.virtual_stages} = "
+                              f"{num_stages}")
+        if len(self.pipeline_cuts) != num_stages - 1:
+            raise SchemaError(f"plan has {len(self.pipeline_cuts)} pipeline cut(s) for "
+                              f"{num_stages} stages, expected {num_stages - 1} (one after "
+                              f"every stage but the last)")
+        if len(self.ranks) != self.pp_size:
+            raise SchemaError(f"plan lists {len(self.ranks)} rank(s), expected pp_size = "
+                              f"{self.pp_size}")
+        bad = [s.index for s in self.stages if not 0 <= s.rank < self.pp_size]
+        if bad:
+            raise SchemaError(f"plan places stage(s) {bad} on ranks outside 0..{self.pp_size - 1}")
 
     def stages_of_rank(self, rank: int) -> list[StagePlan]:
         """The stages ``rank`` holds, in stage order."""

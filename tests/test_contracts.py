@@ -71,20 +71,55 @@ def test_missing_file_is_a_schema_error(tmp_path):
         Plan.load(tmp_path / "nope.json")
 
 
-def test_plan_round_trip():
+def _two_stage_plan() -> Plan:
     stages = tuple(StagePlan(index=i, rank=i, modules=(n,), fwd_ms=1.0, bwd_ms=2.0,
                              param_count=3) for i, n in enumerate("ab"))
     ranks = tuple(RankPlan(rank=i, stages=(i,), peak_memory_bytes=10, busy_ms=3.0)
                   for i in range(2))
-    plan = Plan(profile_fingerprint="f", pp_size=2, virtual_stages=1, schedule="1f1b",
+    return Plan(profile_fingerprint="f", pp_size=2, virtual_stages=1, schedule="1f1b",
                 num_microbatches=4, pipeline_cuts=("a",), stages=stages, ranks=ranks,
                 predicted_step_ms=9.0, bubble_fraction=0.2,
                 baselines={"even": {"predicted_step_ms": 9.0}})
+
+
+def test_plan_round_trip():
+    plan = _two_stage_plan()
     assert Plan.from_json(plan.to_json()) == plan
     broken = json.loads(plan.to_json())
     broken["pipeline_cuts"] = []
     with pytest.raises(SchemaError, match="inconsistent"):
         Plan.from_json(json.dumps(broken), "plan.json")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(pipeline_cuts=[]), r"0 pipeline cut\(s\) for 2 stages, expected 1"),
+    (lambda d: d.update(pp_size=4), r"2 stage\(s\), expected pp_size x virtual_stages"),
+    (lambda d: d["stages"][1].update(rank=5), r"stage\(s\) \[1\] on ranks outside 0..1"),
+    (lambda d: d.update(num_microbatches=0), "num_microbatches must be an integer >= 1"),
+])
+def test_inconsistent_plan_files_are_schema_errors(edit, message):
+    data = json.loads(_two_stage_plan().to_json())
+    edit(data)
+    with pytest.raises(SchemaError, match=message):
+        Plan.from_json(json.dumps(data), "plan.json")
+
+
+def test_python_O_still_refuses_a_plan_without_cuts(tmp_path):
+    """Under ``python -O`` asserts vanish; the plan checks must not."""
+    import subprocess
+    import sys
+
+    data = json.loads(_two_stage_plan().to_json())
+    data["pipeline_cuts"] = []
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    code = ("import sys; from autopart.schema import Plan; from autopart.errors import "
+            "SchemaError\ntry:\n    Plan.load(sys.argv[1])\nexcept SchemaError as e:\n"
+            "    print(e); sys.exit(3)")
+    result = subprocess.run([sys.executable, "-O", "-c", code, str(path)], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 3, result.stderr
+    assert "0 pipeline cut(s) for 2 stages" in result.stdout
 
 
 def test_static_bytes_per_param():
