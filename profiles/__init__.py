@@ -1,1 +1,1 @@
-"""Data shipped with autopart: device specs, model presets, reference profiles (installed as autopart._profiles)."""
+"""Data shipped with autopart: device specs and model presets (installed as autopart._profiles)."""
