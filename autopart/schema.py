@@ -1,6 +1,6 @@
 """Data contracts between phases: Profile, TrainingSetup, Plan, and their JSON.
 
-JSON reading and writing lives in ``autopart._json`` (``JsonFile``). Keys listed in
+JSON reading and writing lives in ``autopart.jsonio`` (``JsonFile``). Keys listed in
 DESIGN.md are the stable minimum; the extra keys here sit beside them.
 """
 
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopart._json import SCHEMA_VERSION, JsonFile, dump_json, load_json
+from autopart.jsonio import SCHEMA_VERSION, JsonFile, dump_json, load_json
 from autopart.errors import SchemaError
 
 __all__ = [

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from autopart.cost import block_arrays
 from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
-from autopart.solve._chain import Chain, build_chain
+from autopart.solve.chain import Chain, build_chain
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -105,7 +105,7 @@ def rank_memory(chain: Chain, bounds, flags, stage_ranks, in_flight) -> int:
     """Largest rank memory of a split: sum of stage terms + the largest transient."""
     import numpy as np
 
-    from autopart.solve._chain import range_query
+    from autopart.solve.chain import range_query
 
     worst = 0
     for rank in set(stage_ranks):

@@ -22,7 +22,7 @@ from autopart.simulate import (
     simulate,
     write_trace,
 )
-from autopart.simulate._plan import _entry
+from autopart.simulate.compiled import _entry
 from autopart.simulate.engine import _run
 
 NO_LATENCY = TrainingSetup(pp_size=1, num_microbatches=1, link_latency_ms=0.0,

@@ -32,7 +32,7 @@ from autopart.cost import StageCost, comm_ms
 from autopart.errors import PlanError
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import TrainingSetup
-from autopart.simulate._plan import KINDS, compiled_plan
+from autopart.simulate.compiled import KINDS, compiled_plan
 from autopart.simulate.orders import _max_in_flight, paused_gc
 
 __all__ = ["SimEvent", "SimResult", "simulate"]

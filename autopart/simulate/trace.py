@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from autopart._json import write_text
+from autopart.jsonio import write_text
 from autopart.simulate.engine import SimResult
 
 __all__ = ["chrome_trace", "render_timeline", "write_trace"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.solve._chain import Chain
+from autopart.solve.chain import Chain
 
 _SAME = 1e-12
 """Relative tolerance for two blocks' figures to count as identical (prefix-sum noise)."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.solve._chain import Chain, _range_table, range_query
+from autopart.solve.chain import Chain, _range_table, range_query
 
 __all__ = ["DPSolution", "plan_objective", "solve_dp"]
 

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.solve._chain import Chain
+from autopart.solve.chain import Chain
 from autopart.solve._ilp_model import RunModel, rank_time_floor
 
 __all__ = ["ILPSolution", "solve_ilp"]

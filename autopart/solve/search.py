@@ -23,7 +23,7 @@ from autopart.schedules import SCHEDULES, check_schedule, schedule_info, stage_t
 from autopart.schema import Plan, Profile, TrainingSetup
 from autopart.simulate import max_in_flight
 from autopart.solve import _explain
-from autopart.solve._chain import Chain, build_chain
+from autopart.solve.chain import Chain, build_chain
 from autopart.solve.assemble import Evaluated, evaluate_split, plan_from_split
 from autopart.solve.baselines import BASELINES, baseline_split
 from autopart.solve.dp import solve_dp

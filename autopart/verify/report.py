@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopart._json import JsonFile
+from autopart.jsonio import JsonFile
 from autopart.schema import Plan
 
 __all__ = ["REPORT_SCHEMA_VERSION", "RankReport", "RunReport", "StageReport", "plan_digest"]

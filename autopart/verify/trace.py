@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autopart._json import write_text
+from autopart.jsonio import write_text
 from autopart.simulate import SimResult
 from autopart.verify.report import RunReport
 
