@@ -2,6 +2,13 @@
 
 import sys
 
-from cli.main import main
+try:
+    from autopart.cli.main import main
+except ModuleNotFoundError as exc:
+    # A source checkout run without an editable install: cli/ sits beside autopart/
+    # (as profiles/ does, see autopart._data).
+    if exc.name != "autopart.cli":
+        raise
+    from cli.main import main
 
 sys.exit(main())

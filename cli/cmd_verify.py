@@ -27,7 +27,7 @@ from autopart.verify import (
     verify_plan,
     write_comparison_trace,
 )
-from cli._format import gib
+from ._format import gib
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,7 +1,9 @@
 """Entry point of the ``autopart`` command (also ``python -m autopart``).
 
 Each command lives in ``cli/cmd_<name>.py`` with ``add_parser(subparsers)`` and
-``run(args) -> int``. User errors (``AutopartError``) print one line and exit 2;
+``run(args) -> int``. The folder installs as ``autopart.cli`` (see pyproject.toml);
+in a source checkout it is also importable as ``cli``, so commands import each
+other relatively. User errors (``AutopartError``) print one line and exit 2;
 ``--debug`` shows the traceback instead.
 """
 
@@ -22,9 +24,9 @@ def _load_commands() -> dict[str, object]:
     modules = {}
     for name in _COMMANDS:
         try:
-            modules[name] = importlib.import_module(f"cli.cmd_{name}")
+            modules[name] = importlib.import_module(f".cmd_{name}", __package__)
         except ModuleNotFoundError as exc:
-            if exc.name != f"cli.cmd_{name}":
+            if exc.name != f"{__package__}.cmd_{name}":
                 raise
     return modules
 
