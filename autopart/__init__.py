@@ -5,7 +5,8 @@ virtual stages, schedule and microbatch count that give the fastest step within
 each device's memory, and run that plan on ``torch.distributed.pipelining``::
 
     profile = autopart.profile_model("llama-3-8b", backend="analytical:h100", seq_len=4096)
-    plan = autopart.make_plan(profile, pp_size=8, num_microbatches=32, memory_limit_bytes=80 * 2**30)
+    plan = autopart.make_plan(profile, pp_size=8, num_microbatches=32,
+                              memory_limit_bytes=80 * 2**30)
     model = autopart.auto_pipeline("llama-3-8b", plan=plan, loss_fn=None)  # under torchrun
 
 Heavy submodules (torch, transformers, pulp) load on first use of a name below.

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopart.jsonio import SCHEMA_VERSION, JsonFile, dump_json, load_json
 from autopart.errors import SchemaError
+from autopart.jsonio import SCHEMA_VERSION, JsonFile, dump_json, load_json
 
 __all__ = [
     "SCHEMA_VERSION",

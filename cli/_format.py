@@ -47,7 +47,8 @@ def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
             continue
         flush()
         if match:
-            run_prefix, run_start, run_end = match.group(1), int(match.group(2)), int(match.group(2))
+            run_prefix = match.group(1)
+            run_start = run_end = int(match.group(2))
         else:
             run_prefix = None
             out.append(name)

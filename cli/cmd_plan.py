@@ -21,6 +21,7 @@ from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 from autopart.simulate import write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
+
 from ._format import gib, parse_bytes, summarize_modules
 
 

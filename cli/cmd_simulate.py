@@ -11,6 +11,7 @@ from autopart.cost import stage_costs_of_plan
 from autopart.errors import PlanError
 from autopart.schema import Plan, TrainingSetup
 from autopart.simulate import render_timeline, simulate, write_trace
+
 from ._format import gib
 
 

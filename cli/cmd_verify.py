@@ -27,6 +27,7 @@ from autopart.verify import (
     verify_plan,
     write_comparison_trace,
 )
+
 from ._format import gib
 
 

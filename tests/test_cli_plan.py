@@ -55,7 +55,8 @@ def test_exports(profile_path, capsys, fmt):
                  "--schedule", "1f1b", "--format", fmt]) == 0
     out = capsys.readouterr().out
     marker = {"nxd": "pipeline_cuts = [", "nemo": "module_fqns_per_model_part",
-              "torchtitan": "pipeline_parallel_degree", "megatron": "--pipeline-model-parallel-layout"}
+              "torchtitan": "pipeline_parallel_degree",
+              "megatron": "--pipeline-model-parallel-layout"}
     assert marker[fmt] in out
 
 
@@ -112,8 +113,8 @@ def test_missing_plan_file_for_simulate(tmp_path, capsys):
 def test_debug_shows_the_traceback(tmp_path):
     """--debug trades the one-line error for the full traceback."""
     result = subprocess.run([sys.executable, "-m", "autopart", "--debug", "simulate",
-                             str(tmp_path / "nope.json")], capture_output=True, text=True, check=False,
-                            timeout=120)
+                             str(tmp_path / "nope.json")], capture_output=True, text=True,
+                            check=False, timeout=120)
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 

@@ -45,7 +45,8 @@ def test_exact_sizes(tiny):
     hidden, vocab, inter, kv = 64, 512, 176, 32
     embed, layer, norm, head = tiny.blocks[0], tiny.blocks[1], tiny.blocks[5], tiny.blocks[6]
     assert embed.num_params == vocab * hidden and embed.param_bytes == vocab * hidden * 4
-    assert layer.num_params == 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
+    attention, mlp, norms = 2 * hidden * hidden + 2 * hidden * kv, 3 * hidden * inter, 2 * hidden
+    assert layer.num_params == attention + mlp + norms
     assert norm.num_params == hidden and head.num_params == vocab * hidden
     assert embed.output_bytes == layer.output_bytes == norm.output_bytes == 16 * hidden * 4
     assert head.output_bytes == 4  # the float32 loss
@@ -169,7 +170,8 @@ def test_profiling_does_not_change_the_model():
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
     assert torch.equal(rng, torch.get_rng_state())
     # the frozen weight makes layer 1 differ from layer 0: measured on its own
-    assert profile.blocks[2].reused_from is None and profile.blocks[3].reused_from == "model.layers.0"
+    assert profile.blocks[2].reused_from is None
+    assert profile.blocks[3].reused_from == "model.layers.0"
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Analytical backend: roofline arithmetic by hand, flash-attention accounting, 70B without allocation."""
+"""Analytical backend: roofline arithmetic by hand, flash attention, 70B without allocation."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_linear_block_flops_and_bytes_by_hand():
         out = task.forward()
     assert roof.flops["fwd"] == 2 * m * k * n
     fwd_bytes = (m * k + n * k + m * n) * 4
-    assert roof.ms("fwd") == pytest.approx(spec.op_time_s(2 * m * k * n, fwd_bytes, "float32") * 1e3)
+    expected_s = spec.op_time_s(2 * m * k * n, fwd_bytes, "float32")
+    assert roof.ms("fwd") == pytest.approx(expected_s * 1e3)
     times = estimate_times(task, spec, "float32")
     assert times.fwd_ms == pytest.approx(roof.ms("fwd"))
     assert times.bwd_input_ms + times.bwd_weight_ms == pytest.approx(times.bwd_ms)
@@ -133,7 +134,8 @@ def test_llama_70b_in_seconds_without_allocating():
     assert all(p.is_meta for p in loaded.model.parameters())
     layer = profile.blocks[1]
     assert layer.param_bytes == 2 * layer.num_params
-    # 80 layers * (F + B + W) of a 70B model at 4096 tokens is seconds on one H100, not ms or minutes
+    # 80 layers * (F + B + W) of a 70B model at 4096 tokens is seconds on one H100,
+    # not ms or minutes
     total_s = sum(b.fwd_ms + b.bwd_ms for b in profile.blocks) / 1e3
     assert 1.0 < total_s < 10.0
     assert discover_blocks(loaded.model).fingerprint == profile.model.fingerprint

@@ -23,7 +23,8 @@ def test_fuse_blocks_merges_runs_without_cuts():
     fused, starts = fuse_blocks(profile, allowed)
     # embedding + layer 0 fuse, and norm + head fuse; every decoder layer ends a run.
     assert starts == [0, 2, 3, 4, 5, len(profile.blocks)]
-    assert fused.blocks[0].fwd_ms == pytest.approx(profile.blocks[0].fwd_ms + profile.blocks[1].fwd_ms)
+    first_two_ms = profile.blocks[0].fwd_ms + profile.blocks[1].fwd_ms
+    assert fused.blocks[0].fwd_ms == pytest.approx(first_two_ms)
     assert fused.blocks[-1].output_bytes == profile.blocks[-1].output_bytes
     assert legal(((0, 2), (2, len(profile.blocks))), allowed)
     assert not legal(((0, 1), (1, len(profile.blocks))), allowed)

@@ -150,7 +150,10 @@ class XLABackend(Backend):
         return (time.perf_counter() - start) * 1e3, out
 
     def sync(self) -> None:
-        """Cut the lazy graph, run it, and wait for the device (``mark_step`` + ``wait_device_ops``)."""
+        """Cut the lazy graph, run it, and wait for the device.
+
+        ``mark_step`` + ``wait_device_ops``.
+        """
         self._xla_sync()
         self.xm.wait_device_ops()
 

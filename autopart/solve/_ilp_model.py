@@ -9,7 +9,8 @@ inside a run only how many of the run's blocks lie in stages ``<= s`` matters:
 
     first[k, s] = y[start_k, s],   last[k, s] = y[end_k - 1, s]            (binaries)
     count[k, s] = sum_{b in run k} y[b, s]                    (integer, 0 .. size_k)
-    first[k, s] + (size_k - 1) * last[k, s] <= count[k, s] <= last[k, s] + (size_k - 1) * first[k, s]
+    first[k, s] + (size_k - 1) * last[k, s] <= count[k, s]
+                                             <= last[k, s] + (size_k - 1) * first[k, s]
 
 Any such integers map to exactly one monotone ``y`` (the first ``count`` blocks of
 the run), so the model is the block-level one, exactly, with 2 binaries and one

@@ -30,8 +30,8 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.solve.chain import Chain
 from autopart.solve._ilp_model import RunModel, rank_time_floor
+from autopart.solve.chain import Chain
 
 __all__ = ["ILPSolution", "solve_ilp"]
 

@@ -23,9 +23,9 @@ from autopart.schedules import SCHEDULES, check_schedule, schedule_info, stage_t
 from autopart.schema import Plan, Profile, TrainingSetup
 from autopart.simulate import max_in_flight
 from autopart.solve import _explain
-from autopart.solve.chain import Chain, build_chain
 from autopart.solve.assemble import Evaluated, evaluate_split, plan_from_split
 from autopart.solve.baselines import BASELINES, baseline_split
+from autopart.solve.chain import Chain, build_chain
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
 from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, refine
@@ -85,9 +85,10 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     (even, params, torchtitan). ``cut_kinds`` restricts cuts to after blocks of
     those kinds (NxD: ``("decoder_layer",)``). ``refine_evals`` bounds the local
     search's simulations per refined candidate (0 turns it off). ``ilp_time_limit_s``
-    defaults to 60 s per ILP with ``solver="ilp"`` and 5 s with ``"auto"``. ``setup_fields`` go to ``TrainingSetup`` (optimizer,
-    dtypes, link figures, ...). Raises ``PlanError`` for bad settings and
-    ``InfeasibleError`` (with the memory that would fit) when nothing fits.
+    defaults to 60 s per ILP with ``solver="ilp"`` and 5 s with ``"auto"``.
+    ``setup_fields`` go to ``TrainingSetup`` (optimizer, dtypes, link figures, ...).
+    Raises ``PlanError`` for bad settings and ``InfeasibleError`` (with the memory
+    that would fit) when nothing fits.
     """
     _check_args(profile, pp_size, partition, solver, virtual_stages)
     if ilp_time_limit_s is None:

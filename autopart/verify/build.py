@@ -82,7 +82,8 @@ def _stage_reports(plan: Plan, results: Sequence[dict[str, Any]]) -> tuple[Stage
         # Split schedules run most backwards as B then W, some (cooldown) as one full pass.
         bwd = b + w if split and samples["B", s.index] else full
         reports.append(StageReport(
-            index=s.index, rank=s.rank, modules=s.modules, predicted_fwd_ms=s.fwd_ms, measured_fwd_ms=f,
+            index=s.index, rank=s.rank, modules=s.modules, predicted_fwd_ms=s.fwd_ms,
+            measured_fwd_ms=f,
             predicted_bwd_ms=s.bwd_ms, measured_bwd_ms=bwd,
             predicted_bwd_input_ms=s.bwd_input_ms,
             measured_bwd_input_ms=b if split and samples["B", s.index] else None,
