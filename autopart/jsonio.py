@@ -144,6 +144,13 @@ def _convert(hint: Any, value: Any, source: str, key: str, remedy_cmd: str) -> A
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, source, key, remedy_cmd)
+    if origin is dict:
+        _, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise SchemaError(f"{source}: key {key!r} should be an object; "
+                              f"regenerate it with `{remedy_cmd}`")
+        return {k: _convert(value_hint, v, source, f"{key}.{k}", remedy_cmd)
+                for k, v in value.items()}
     if origin is tuple:
         (item_hint, *_) = typing.get_args(hint)
         if not isinstance(value, list):

@@ -15,12 +15,14 @@ from autopart.jsonio import SCHEMA_VERSION, JsonFile, dump_json, load_json
 
 __all__ = [
     "SCHEMA_VERSION",
+    "BaselineResult",
     "BlockProfile",
     "ModelInfo",
     "Plan",
     "Profile",
     "ProfileSetup",
     "RankPlan",
+    "SolverInfo",
     "StagePlan",
     "TrainingSetup",
     "dump_json",
@@ -239,6 +241,47 @@ class RankPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SolverInfo:
+    """Which method found the plan's split, and how sure it is (``Plan.solver``)."""
+
+    name: str
+    """``dp`` or ``ilp``; or the baseline (``even``, ``params``, ``torchtitan``) whose split
+    won the search or was asked for with ``partition``."""
+    status: str
+    """``optimal`` (proven), ``heuristic`` (a baseline partition was asked for),
+    ``baseline`` (a baseline split won the search), or ``time_limit`` (the ILP's best
+    split when its time limit cut it off)."""
+    gap: float | None = 0.0
+    """Relative gap between the ILP's split and its bound: 0 when proven optimal,
+    ``None`` when the ILP stopped at its time limit without reporting one."""
+    objective_ms: float | None = None
+    """The solver's closed-form objective, before the split was simulated."""
+    backend: str = ""
+    """The ILP backend (``cbc`` or ``highs``)."""
+    refined: bool = False
+    """The local search moved cuts and found a faster split than the solver's."""
+    refine_gain: float = 0.0
+    """How much faster the refined split is: solver's step / refined step - 1."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BaselineResult:
+    """A public baseline split under the plan's schedule, v and m, simulated
+    (``Plan.baselines``)."""
+
+    predicted_step_ms: float
+    """The baseline's simulated step time."""
+    speedup: float
+    """The baseline's step / the plan's step (above 1: the plan is faster)."""
+    fits: bool
+    """Every rank's simulated peak is within the memory limit."""
+    peak_memory_bytes: int
+    """The largest simulated rank peak."""
+    stage_num_blocks: tuple[int, ...] = ()
+    """Blocks per stage, in stage order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan(JsonFile):
     """The planner's answer (``autopart plan``)."""
 
@@ -255,15 +298,18 @@ class Plan(JsonFile):
     ranks: tuple[RankPlan, ...]
     predicted_step_ms: float
     bubble_fraction: float
-    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """``{"even": {"predicted_step_ms": ..., "speedup": ..., "fits": ...}, ...}``."""
+    setup: TrainingSetup
+    """The training setup the plan was made for: optimizer, dtypes, memory limit, links.
+    Its ``pp_size`` and ``num_microbatches`` repeat the plan's at planning time; the
+    plan's own fields are the ones that run and are simulated."""
+    baselines: dict[str, BaselineResult] = field(default_factory=dict)
+    """Each public baseline (``even``, ``params``, ``torchtitan``) by name."""
     schema_version: int = SCHEMA_VERSION
     model_name: str = ""
     partition: str = "optimal"
-    setup: dict[str, Any] = field(default_factory=dict)
-    """The TrainingSetup used, as a dict."""
-    solver: dict[str, Any] = field(default_factory=dict)
-    """``{"name": "dp"|"ilp"|..., "status": "optimal"|..., "gap": float, "seconds": float}``."""
+    """``optimal``, or the baseline partition that was asked for."""
+    solver: SolverInfo | None = None
+    """How the split was found; ``None`` for plans written by hand."""
     notes: tuple[str, ...] = ()
     """Human-readable reasons (e.g. why rank 0 holds fewer blocks)."""
     micro_batch_size: int = 0

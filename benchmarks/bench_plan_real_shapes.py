@@ -34,11 +34,11 @@ def main() -> None:
         print(f"{name:<12} {'autopart':<11} {plan.predicted_step_ms:>10.1f} {'':>9}  "
               f"{list(plan.pipeline_cuts)}  (planned in {seconds:.2f} s)")
         for base, info in sorted(plan.baselines.items()):
-            print(f"{'':<12} {base:<11} {info['predicted_step_ms']:>10.1f} "
-                  f"{info['speedup']:>8.3f}x  blocks per stage {info['stage_num_blocks']}")
+            print(f"{'':<12} {base:<11} {info.predicted_step_ms:>10.1f} "
+                  f"{info.speedup:>8.3f}x  blocks per stage {list(info.stage_num_blocks)}")
             floor = 1.15 if base == "even" else 1.0
-            if info["speedup"] < floor - 1e-9:
-                failures.append(f"{name} vs {base}: {info['speedup']:.3f}x < {floor}x")
+            if info.speedup < floor - 1e-9:
+                failures.append(f"{name} vs {base}: {info.speedup:.3f}x < {floor}x")
     print("PASS" if not failures else "FAIL: " + "; ".join(failures))
 
 

@@ -32,7 +32,7 @@ from autopart.intake import causal_lm_loss, discover_blocks
 from autopart.intake.sources import build_hf_model, empty_on
 from autopart.runtime import auto_pipeline
 from autopart.schedules import SCHEDULES, stage_to_rank
-from autopart.schema import Plan, RankPlan, StagePlan
+from autopart.schema import Plan, RankPlan, StagePlan, TrainingSetup
 
 CONFIG = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
           "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -77,7 +77,8 @@ def _plan(chain, schedule: str, counts: list[int]) -> Plan:
     return Plan(profile_fingerprint=chain.fingerprint, pp_size=pp,
                 virtual_stages=len(counts) // pp, schedule=schedule, num_microbatches=NUM_MB,
                 pipeline_cuts=tuple(s.modules[-1] for s in stages[:-1]), stages=tuple(stages),
-                ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0)
+                ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0,
+                setup=TrainingSetup(pp_size=pp, num_microbatches=NUM_MB))
 
 
 def _manual(plan: Plan, state: dict, rank: int, num_tokens: list[int]):

@@ -144,9 +144,9 @@ def _print_table(plan: Plan, console: Console) -> None:
     console.print(f"predicted step: [bold]{plan.predicted_step_ms:.2f} ms[/], bubble "
                   f"{100 * plan.bubble_fraction:.1f}%  (solver: {_solver_text(plan)})")
     for name, base in sorted(plan.baselines.items()):
-        fits = "" if base.get("fits", True) else "  [red]does not fit memory[/]"
-        console.print(f"  vs {name:<10} {base['predicted_step_ms']:10.2f} ms  ->  "
-                      f"{base.get('speedup', 0):.3f}x{fits}")
+        fits = "" if base.fits else "  [red]does not fit memory[/]"
+        console.print(f"  vs {name:<10} {base.predicted_step_ms:10.2f} ms  ->  "
+                      f"{base.speedup:.3f}x{fits}")
     for note in plan.notes:
         console.print(f"note: {note}")
     console.print("pipeline_cuts = " + json.dumps(list(plan.pipeline_cuts)), highlight=False,
@@ -154,25 +154,26 @@ def _print_table(plan: Plan, console: Console) -> None:
 
 
 def _solver_text(plan: Plan) -> str:
-    info = plan.solver or {}
-    if info.get("status") == "baseline":
-        text = f"seeded by the {info.get('name')} split"
+    info = plan.solver
+    if info is None:
+        return "not recorded"
+    if info.status == "baseline":
+        text = f"seeded by the {info.name} split"
     else:
-        text = f"{info.get('name', '?')}, {info.get('status', '?')}"
-    if info.get("gap"):
-        text += f", gap {100 * info['gap']:.1f}%"
-    if info.get("refined"):
-        text += f", then local search: {100 * info['refine_gain']:.1f}% faster"
+        text = f"{info.name}, {info.status}"
+    if info.gap:
+        text += f", gap {100 * info.gap:.1f}%"
+    if info.refined:
+        text += f", then local search: {100 * info.refine_gain:.1f}% faster"
     return text
 
 
 def _write_trace(plan: Plan, path: str) -> None:
     from autopart.cost import stage_costs_of_plan
-    from autopart.schema import TrainingSetup
     from autopart.simulate import simulate
 
     result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
                       virtual_stages=plan.virtual_stages,
-                      num_microbatches=plan.num_microbatches, setup=TrainingSetup(**plan.setup))
+                      num_microbatches=plan.num_microbatches, setup=plan.setup)
     names = [f"stage {s.index}: {summarize_modules(s.modules)}" for s in plan.stages]
     write_trace(result, path, stage_names=names)

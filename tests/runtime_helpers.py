@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from autopart.intake import BlockChain
 from autopart.schedules import SCHEDULES, stage_to_rank
-from autopart.schema import Plan, RankPlan, StagePlan
+from autopart.schema import Plan, RankPlan, StagePlan, TrainingSetup
 
 PG_TIMEOUT_S = 90
 
@@ -41,7 +41,8 @@ def make_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: i
     return Plan(profile_fingerprint=chain.fingerprint, pp_size=pp_size, virtual_stages=virtual,
                 schedule=schedule, num_microbatches=num_microbatches,
                 pipeline_cuts=tuple(s.modules[-1] for s in stages[:-1]), stages=tuple(stages),
-                ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0)
+                ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0,
+                setup=TrainingSetup(pp_size=pp_size, num_microbatches=num_microbatches))
 
 
 def _free_port() -> int:

@@ -13,12 +13,14 @@ from autopart.cost import block_arrays, comm_ms, stage_cost, static_bytes_per_pa
 from autopart.errors import PlanError, SchemaError
 from autopart.schedules import SCHEDULES, check_schedule, stage_to_rank, stages_of_rank
 from autopart.schema import (
+    BaselineResult,
     BlockProfile,
     ModelInfo,
     Plan,
     Profile,
     ProfileSetup,
     RankPlan,
+    SolverInfo,
     StagePlan,
     TrainingSetup,
 )
@@ -79,7 +81,11 @@ def _two_stage_plan() -> Plan:
     return Plan(profile_fingerprint="f", pp_size=2, virtual_stages=1, schedule="1f1b",
                 num_microbatches=4, pipeline_cuts=("a",), stages=stages, ranks=ranks,
                 predicted_step_ms=9.0, bubble_fraction=0.2,
-                baselines={"even": {"predicted_step_ms": 9.0}})
+                setup=TrainingSetup(pp_size=2, num_microbatches=4, optimizer="sgd"),
+                baselines={"even": BaselineResult(predicted_step_ms=9.0, speedup=1.0, fits=True,
+                                                  peak_memory_bytes=10,
+                                                  stage_num_blocks=(1, 1))},
+                solver=SolverInfo(name="dp", status="optimal", objective_ms=8.5))
 
 
 def test_plan_round_trip():

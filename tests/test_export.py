@@ -17,6 +17,7 @@ from autopart.schema import (
     ProfileSetup,
     RankPlan,
     StagePlan,
+    TrainingSetup,
 )
 
 NAMES = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(6)] + ["model.norm", "lm_head"]
@@ -50,7 +51,8 @@ def _plan(sizes: list[int], schedule: str = "1f1b", v: int = 1, m: int = 4) -> P
                            peak_memory_bytes=1, busy_ms=1.0) for r in range(pp))
     return Plan(profile_fingerprint="f", pp_size=pp, virtual_stages=v, schedule=schedule,
                 num_microbatches=m, pipeline_cuts=cuts, stages=tuple(stages), ranks=ranks,
-                predicted_step_ms=10.0, bubble_fraction=0.1, model_name="tiny")
+                predicted_step_ms=10.0, bubble_fraction=0.1, model_name="tiny",
+                setup=TrainingSetup(pp_size=pp, num_microbatches=m))
 
 
 def test_nxd_cuts_and_classes():

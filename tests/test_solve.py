@@ -146,9 +146,9 @@ def test_make_plan_fills_the_contract_and_beats_even():
     assert [r.stages for r in plan.ranks] == [(0,), (1,), (2,), (3,)]
     assert set(plan.baselines) == {"even", "params", "torchtitan"}
     for entry in plan.baselines.values():
-        assert entry["speedup"] >= 1.0 - 1e-9
-    assert plan.baselines["even"]["speedup"] > 1.05  # the 3 ms head makes even slow
-    assert "seconds" not in plan.solver
+        assert entry.speedup >= 1.0 - 1e-9
+    assert plan.baselines["even"].speedup > 1.05  # the 3 ms head makes even slow
+    assert plan.solver is not None and plan.solver.status in ("optimal", "baseline")
 
 
 def test_make_plan_is_deterministic_and_round_trips():
@@ -178,7 +178,7 @@ def test_memory_limit_gives_rank0_fewer_layers_and_says_why():
     limit = 7 * GIB
     plan = make_plan(profile, pp_size=4, num_microbatches=8, schedule="1f1b",
                      memory_limit_bytes=limit, allow_recompute=False)
-    assert not plan.baselines["even"]["fits"]
+    assert not plan.baselines["even"].fits
     assert all(r.peak_memory_bytes <= limit for r in plan.ranks)
     layers0 = sum(m.startswith("model.layers.") for m in plan.stages[0].modules)
     assert layers0 < 2

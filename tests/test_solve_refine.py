@@ -61,5 +61,5 @@ def test_plan_never_slower_than_a_fitting_baseline(times, pp, schedule):
     plan = make_plan(make_profile(blocks), pp_size=pp, schedule=schedule,
                      num_microbatches=2 * pp)
     for base in plan.baselines.values():
-        if base["fits"]:
-            assert plan.predicted_step_ms <= base["predicted_step_ms"] * (1 + 1e-9)
+        if base.fits:
+            assert plan.predicted_step_ms <= base.predicted_step_ms * (1 + 1e-9)

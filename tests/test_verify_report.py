@@ -21,6 +21,8 @@ from autopart.verify import (
     predict,
 )
 from autopart.verify.build import build_report
+from autopart.verify.report import MeasuredMemory
+from autopart.verify.worker import RankResult
 from cli.main import main
 from tests.solve_helpers import llama_like
 
@@ -38,7 +40,7 @@ def plan(profile):
     return make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b")
 
 
-def _rank_result(plan, rank: int, scale: float) -> dict:
+def _rank_result(plan, rank: int, scale: float) -> RankResult:
     """Synthetic ``run_rank`` output: two steps whose spans are ``scale`` x the plan's times."""
     (stage,) = plan.stages_of_rank(rank)
     steps = []
@@ -46,17 +48,17 @@ def _rank_result(plan, rank: int, scale: float) -> dict:
         spans, t = [], 0.0
         for mb in range(plan.num_microbatches):
             f = scale * stage.fwd_ms * (1 + step)  # step 1 twice as slow: medians over both
-            spans += [["F", stage.index, mb, t, t + 0.8 * f], ["LOSS", stage.index, mb,
-                      t + 0.8 * f, t + f]] if stage.index == 1 else [["F", 0, mb, t, t + f]]
+            spans += [("F", stage.index, mb, t, t + 0.8 * f), ("LOSS", stage.index, mb,
+                      t + 0.8 * f, t + f)] if stage.index == 1 else [("F", 0, mb, t, t + f)]
             t += f
-            spans.append(["BW", stage.index, mb, t, t + scale * stage.bwd_ms * (1 + step)])
+            spans.append(("BW", stage.index, mb, t, t + scale * stage.bwd_ms * (1 + step)))
             t += scale * stage.bwd_ms * (1 + step)
-        spans.append(["WAIT", -1, -1, t, t + 1.0])
-        steps.append(spans)
-    return {"rank": rank, "stages": [stage.index], "step_ms": [100.0, 110.0 + rank],
-            "optimizer_ms": [5.0, 5.0], "spans": steps,
-            "memory": {"peak_bytes": 1000 + rank, "params_bytes": 1000 + rank},
-            "memory_method": "test", "device": "cpu (test)", "num_threads": 1}
+        spans.append(("WAIT", -1, -1, t, t + 1.0))
+        steps.append(tuple(spans))
+    return RankResult(rank=rank, stages=(stage.index,), step_ms=(100.0, 110.0 + rank),
+                      optimizer_ms=(5.0, 5.0), cpu_ms=(90.0, 95.0), spans=tuple(steps),
+                      memory=MeasuredMemory(peak_bytes=1000 + rank, params_bytes=1000 + rank),
+                      memory_method="test", device="cpu (test)", num_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,8 @@ def test_report_medians_and_prediction(plan, report):
         assert stage.measured_bwd_input_ms is None
     assert [r.rank for r in report.ranks] == [0, 1]
     assert report.ranks[1].measured_peak_memory_bytes == 1001
+    assert report.ranks[1].memory == MeasuredMemory(peak_bytes=1001, params_bytes=1001)
+    assert report.ranks[0].measured_cpu_ms == pytest.approx((90.0 + 95.0) / 2)
     assert report.ranks[0].measured_wait_ms == pytest.approx(1.0)
     assert len(report.measured_events) == sum(1 + 2 * 4 + 4 * (s.index == 1) for s in plan.stages)
 

@@ -53,9 +53,9 @@ def test_two_rank_run_reports_every_stage(files, capsys):
     for stage in report.stages:
         assert stage.measured_fwd_ms > 0 and stage.measured_bwd_ms > 0
     for rank in report.ranks:
-        assert rank.measured_peak_memory_bytes > rank.memory["params_bytes"] > 0
-        params = rank.memory["params_bytes"]  # AdamW: two moments + a 4-byte step per tensor
-        assert 2 * params <= rank.memory["optimizer_bytes"] <= 2 * params + 4096
+        assert rank.measured_peak_memory_bytes > rank.memory.params_bytes > 0
+        params = rank.memory.params_bytes  # AdamW: two moments + a 4-byte step per tensor
+        assert 2 * params <= rank.memory.optimizer_bytes <= 2 * params + 4096
         assert rank.measured_busy_ms > 0
     kinds = {e[1] for e in report.measured_events}
     assert {"F", "BW", "LOSS"} <= kinds

@@ -141,7 +141,7 @@ def test_layer_bound_plan_moves_the_cut_off_nxds_even_split(heavy_head):
     kinds = {b.name: b.kind for b in heavy_head.blocks}
     assert [kinds[cut] for cut in plan.pipeline_cuts] == ["decoder_layer"]
     assert list(plan.pipeline_cuts) != [_NXD_EVEN_CUT]
-    assert plan.predicted_step_ms < plan.baselines["even"]["predicted_step_ms"]
+    assert plan.predicted_step_ms < plan.baselines["even"].predicted_step_ms
     assert to_nxd(plan, heavy_head)["pipeline_cuts"] == list(plan.pipeline_cuts)
 
 

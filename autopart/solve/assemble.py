@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autopart.cost import BlockArrays, StageCost, stage_cost
 from autopart.schedules import schedule_info, stage_to_rank
-from autopart.schema import Plan, Profile, RankPlan, StagePlan, TrainingSetup
+from autopart.schema import (
+    BaselineResult,
+    Plan,
+    Profile,
+    RankPlan,
+    SolverInfo,
+    StagePlan,
+    TrainingSetup,
+)
 from autopart.simulate import SimResult, simulate
 
 __all__ = ["Evaluated", "evaluate_split", "plan_from_split"]
@@ -50,9 +59,23 @@ def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, *, schedule: str, 
 
 
 def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
-                    partition: str, solver: dict, baselines: dict, notes: Sequence[str]
-                    ) -> Plan:
-    """Fill a ``Plan`` (schema.py) from a simulated split."""
+                    partition: str, solver: Mapping[str, Any],
+                    baselines: Mapping[str, Mapping[str, Any]], notes: Sequence[str]) -> Plan:
+    """Fill a ``Plan`` (schema.py) from a simulated split.
+
+    Args:
+        profile: The profile the split's block indices refer to.
+        setup: The training setup it was simulated with.
+        best: The winning split.
+        partition: ``optimal`` or the baseline partition asked for.
+        solver: The search's record of how ``best`` was found: the fields of
+            ``SolverInfo``.
+        baselines: Per baseline name, the fields of ``BaselineResult``.
+        notes: Human-readable reasons to keep with the plan.
+
+    Returns:
+        The plan, with typed ``setup``, ``solver`` and ``baselines``.
+    """
     style = schedule_info(best.schedule).style
     blocks = profile.blocks
     stages = []
@@ -81,8 +104,10 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
         num_microbatches=best.num_microbatches,
         pipeline_cuts=tuple(blocks[j - 1].name for _, j in best.bounds[:-1]),
         stages=tuple(stages), ranks=ranks, predicted_step_ms=result.step_ms,
-        bubble_fraction=result.bubble_fraction, baselines=baselines,
-        model_name=profile.model.name, partition=partition,
-        setup=dataclasses.asdict(setup_used), solver=solver, notes=tuple(notes),
+        bubble_fraction=result.bubble_fraction,
+        baselines={name: BaselineResult(**{**fields, "stage_num_blocks": tuple(
+            fields.get("stage_num_blocks", ()))}) for name, fields in baselines.items()},
+        model_name=profile.model.name, partition=partition, setup=setup_used,
+        solver=SolverInfo(**solver), notes=tuple(notes),
         micro_batch_size=profile.setup.micro_batch_size, seq_len=profile.setup.seq_len,
         dtype=profile.setup.dtype)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 from autopart.cost import stage_costs_of_plan
 from autopart.schedules import schedule_info
-from autopart.schema import Plan, TrainingSetup
+from autopart.schema import Plan
 from autopart.simulate import SimResult, simulate
 from autopart.verify.report import RankReport, RunReport, StageReport, plan_digest
+from autopart.verify.worker import RankResult, RunSettings
 
 __all__ = ["build_report", "predict"]
 
@@ -25,21 +25,27 @@ _COMPUTE = ("F", "LOSS", "B", "BW", "W")
 
 def predict(plan: Plan) -> SimResult:
     """The simulated step of ``plan`` (its stage costs, schedule and link figures)."""
-    setup_keys = set(TrainingSetup.__dataclass_fields__)
-    setup = TrainingSetup(**{k: v for k, v in plan.setup.items() if k in setup_keys}) \
-        if plan.setup else TrainingSetup(pp_size=plan.pp_size,
-                                         num_microbatches=plan.num_microbatches)
     return simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
                     virtual_stages=plan.virtual_stages, num_microbatches=plan.num_microbatches,
-                    setup=setup)
+                    setup=plan.setup)
 
 
-def build_report(plan: Plan, settings: Any, results: Sequence[dict[str, Any]]) -> RunReport:
-    """A ``RunReport`` from every rank's ``run_rank`` result (any order)."""
-    results = sorted(results, key=lambda r: r["rank"])
+def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult]
+                 ) -> RunReport:
+    """A ``RunReport`` from every rank's ``run_rank`` result.
+
+    Args:
+        plan: The plan that ran.
+        settings: How it ran.
+        results: One ``RankResult`` per rank, in any order.
+
+    Returns:
+        Measured against predicted, per stage, per rank and per step.
+    """
+    results = sorted(results, key=lambda r: r.rank)
     sim = predict(plan)
-    steps = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
-    train = [max(r["step_ms"][i] + r["optimizer_ms"][i] for r in results)
+    steps = [max(r.step_ms[i] for r in results) for i in range(len(results[0].step_ms))]
+    train = [max(r.step_ms[i] + r.optimizer_ms[i] for r in results)
              for i in range(len(steps))]
     median_idx = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]
     return RunReport(
@@ -47,24 +53,24 @@ def build_report(plan: Plan, settings: Any, results: Sequence[dict[str, Any]]) -
         model=settings.model, schedule=plan.schedule, pp_size=plan.pp_size,
         virtual_stages=plan.virtual_stages, num_microbatches=plan.num_microbatches,
         micro_batch_size=plan.micro_batch_size, seq_len=plan.seq_len, steps=settings.steps,
-        warmup=settings.warmup, device=results[0]["device"],
-        num_threads_per_rank=results[0]["num_threads"],
-        memory_method=results[0]["memory_method"],
+        warmup=settings.warmup, device=results[0].device,
+        num_threads_per_rank=results[0].num_threads,
+        memory_method=results[0].memory_method,
         predicted_step_ms=sim.step_ms, measured_step_ms=statistics.median(steps),
         measured_step_ms_spread=_spread(steps),
         measured_train_step_ms=statistics.median(train),
         stages=_stage_reports(plan, results),
         ranks=tuple(_rank_report(r, sim) for r in results),
         measured_events=tuple(
-            (r["rank"], *span) for r in results for span in r["spans"][median_idx]),
+            (r.rank, *span) for r in results for span in r.spans[median_idx]),
     )
 
 
-def _stage_reports(plan: Plan, results: Sequence[dict[str, Any]]) -> tuple[StageReport, ...]:
+def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageReport, ...]:
     """Median F (+ loss), B, W, full backward per stage over every timed step and microbatch."""
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     for r in results:
-        for step in r["spans"]:
+        for step in r.spans:
             fwd: dict[tuple[int, int], float] = defaultdict(float)
             for kind, stage, mb, start, end in step:
                 if kind in ("F", "LOSS"):
@@ -92,19 +98,18 @@ def _stage_reports(plan: Plan, results: Sequence[dict[str, Any]]) -> tuple[Stage
     return tuple(reports)
 
 
-def _rank_report(result: dict[str, Any], sim: SimResult) -> RankReport:
-    busy = [sum(e - s for kind, *_, s, e in step if kind in _COMPUTE) for step in result["spans"]]
-    wait = [sum(e - s for kind, *_, s, e in step if kind == "WAIT") for step in result["spans"]]
-    rank = result["rank"]
-    memory = {k: int(v) for k, v in result["memory"].items()}
+def _rank_report(result: RankResult, sim: SimResult) -> RankReport:
+    busy = [sum(e - s for kind, *_, s, e in step if kind in _COMPUTE) for step in result.spans]
+    wait = [sum(e - s for kind, *_, s, e in step if kind == "WAIT") for step in result.spans]
+    rank = result.rank
     return RankReport(
-        rank=rank, stages=tuple(result["stages"]),
+        rank=rank, stages=result.stages,
         predicted_peak_memory_bytes=int(sim.rank_peak_memory_bytes[rank]),
-        measured_peak_memory_bytes=memory["peak_bytes"],
+        measured_peak_memory_bytes=result.memory.peak_bytes,
         predicted_busy_ms=sim.rank_busy_ms[rank], measured_busy_ms=_median(busy),
         predicted_idle_ms=sim.rank_idle_ms[rank], measured_wait_ms=_median(wait),
-        measured_optimizer_ms=_median(result["optimizer_ms"]),
-        measured_cpu_ms=_median(result.get("cpu_ms", [])), memory=memory)
+        measured_optimizer_ms=_median(result.optimizer_ms),
+        measured_cpu_ms=_median(result.cpu_ms), memory=result.memory)
 
 
 def _median(values: Sequence[float]) -> float:

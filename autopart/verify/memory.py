@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from autopart.profile.memory import LiveTensors, storage_key
+from autopart.verify.report import MeasuredMemory
 
 __all__ = ["CPU_METHOD", "CUDA_METHOD", "measure_step_memory"]
 
@@ -29,18 +30,24 @@ CUDA_METHOD = "torch.cuda.max_memory_allocated over the pipeline step"
 
 
 def measure_step_memory(run_step: Callable[[], None], pipe: Any, optimizer: Any,
-                        device: torch.device) -> dict[str, int]:
-    """Run ``run_step`` once (gradients must be ``None`` before) and return its memory figures.
+                        device: torch.device) -> MeasuredMemory:
+    """Run ``run_step`` once (gradients must be ``None`` before) and measure its memory.
 
-    Keys: ``peak_bytes`` always; on CPU also ``params_bytes``, ``grads_bytes``,
-    ``optimizer_bytes``, ``buffer_bytes`` and ``live_peak_bytes`` (their sum is the peak).
+    Args:
+        run_step: One pipeline step.
+        pipe: The rank's ``PipelinedModel``.
+        optimizer: Its optimizer, or ``None``.
+        device: The rank's device.
+
+    Returns:
+        The peak, and on CPU its parts (their sum is the peak).
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         run_step()
         torch.cuda.synchronize(device)
-        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device))}
+        return MeasuredMemory(peak_bytes=int(torch.cuda.max_memory_allocated(device)))
     live = LiveTensors()
     with live:
         run_step()
@@ -53,8 +60,7 @@ def measure_step_memory(run_step: Callable[[], None], pipe: Any, optimizer: Any,
         "buffer_bytes": _unique_bytes(_recv_buffers(pipe.pipe_stages)),
         "live_peak_bytes": _peak_without_last(live.events, {storage_key(g) for g in grads}),
     }
-    parts["peak_bytes"] = sum(parts.values())
-    return parts
+    return MeasuredMemory(peak_bytes=sum(parts.values()), **parts)
 
 
 def _peak_without_last(events: list[tuple[int, int]], keys: set[int | None]) -> int:

@@ -9,13 +9,14 @@ the timed steps) and per rank for memory.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from autopart.jsonio import JsonFile
 from autopart.schema import Plan
 
-__all__ = ["REPORT_SCHEMA_VERSION", "RankReport", "RunReport", "StageReport", "plan_digest"]
+__all__ = ["REPORT_SCHEMA_VERSION", "MeasuredMemory", "RankReport", "RunReport", "StageReport",
+           "plan_digest"]
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -42,6 +43,28 @@ class StageReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredMemory:
+    """One rank's measured memory over a pipeline step, in bytes (``verify.memory``).
+
+    On CUDA only the allocator's peak is known; on CPU the peak is the sum of the
+    parts, each counted from live tensors.
+    """
+
+    peak_bytes: int
+    """``torch.cuda.max_memory_allocated`` over the step, or on CPU the sum below."""
+    params_bytes: int | None = None
+    """Parameters of this rank's stages (CPU)."""
+    grads_bytes: int | None = None
+    """Their gradients (CPU)."""
+    optimizer_bytes: int | None = None
+    """Optimizer state, e.g. AdamW's two moments and step (CPU)."""
+    buffer_bytes: int | None = None
+    """torch's preallocated p2p receive buffers (CPU)."""
+    live_peak_bytes: int | None = None
+    """Peak of the tensors allocated and alive during the step, gradients left out (CPU)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RankReport:
     """One rank: predicted and measured peak memory, busy and waiting time per step."""
 
@@ -60,9 +83,8 @@ class RankReport:
     measured_cpu_ms: float = 0.0
     """Process CPU time during the pipeline step (CPU runs): busy + wait well above it
     means the rank was descheduled, i.e. the machine was shared."""
-    memory: dict[str, int] = field(default_factory=dict)
-    """Measured parts: ``params_bytes``, ``grads_bytes``, ``optimizer_bytes``,
-    ``buffer_bytes`` (recv buffers), ``live_peak_bytes`` (tensors alive during the step)."""
+    memory: MeasuredMemory | None = None
+    """The measured parts of the peak (``None`` in reports that did not record them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

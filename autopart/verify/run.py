@@ -9,9 +9,9 @@ world size, model fingerprint) run before any process starts.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import pickle
 import socket
 import tempfile
 import traceback
@@ -90,7 +90,8 @@ def _spawn(plan: Plan, settings: RunSettings, world: int) -> RunReport:
                      nprocs=world, join=True)
         except ProcessException as exc:  # a rank failed: show its own one-line error
             raise _rank_error(Path(tmp), exc) from None
-        results = json.loads((Path(tmp) / "results.json").read_text())
+        # Written by rank 0 of this very run: RankResult records, pickled.
+        results = pickle.loads((Path(tmp) / "results.pkl").read_bytes())
     return build_report(plan, settings, results)
 
 
@@ -107,7 +108,7 @@ def _spawned_rank(rank: int, world: int, port: int, plan_path: str, settings: Ru
         gathered: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(result, gathered if rank == 0 else None, dst=0)
         if rank == 0:
-            (Path(tmp) / "results.json").write_text(json.dumps(gathered))
+            (Path(tmp) / "results.pkl").write_bytes(pickle.dumps(gathered))
     except AutopartError as exc:
         (Path(tmp) / f"error_rank{rank}.txt").write_text(f"rank {rank}: {exc}")
         raise

@@ -5,8 +5,8 @@ Each rank builds its stages with ``auto_pipeline(model, plan=plan)``, trains
 batch (``micro_batch_size * num_microbatches`` x ``seq_len``) with the plan's
 optimizer (adam -> AdamW, sgd -> SGD with momentum, none -> no update), timing
 each step between barriers and every F/B/W and p2p wait inside it
-(``StepRecorder``). A last, untimed step measures memory. The result is a plain
-dict (JSON-able) gathered on rank 0.
+(``StepRecorder``). A last, untimed step measures memory. The result is a
+``RankResult``, gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +22,13 @@ from autopart.errors import RuntimeSetupError
 from autopart.schema import Plan
 from autopart.verify.instrument import StepRecorder
 from autopart.verify.memory import CPU_METHOD, CUDA_METHOD, measure_step_memory
+from autopart.verify.report import MeasuredMemory
 
-__all__ = ["RunSettings", "run_rank"]
+__all__ = ["RankResult", "RunSettings", "Span", "run_rank"]
+
+Span = tuple[str, int, int, float, float]
+"""One timed action: kind (``F``, ``LOSS``, ``B``, ``BW``, ``W``, ``WAIT``), stage index,
+microbatch index, start and end in ms from the step's start (-1 for no stage / mb)."""
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +63,47 @@ class RunSettings:
                                     f"{self.timeout_s}")
 
 
-def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[str, Any]:
-    """Run the plan on this rank; return its measurements (see the module docstring)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankResult:
+    """What one rank measured under ``verify_plan`` (timed steps only)."""
+
+    rank: int
+    """Pipeline rank."""
+    stages: tuple[int, ...]
+    """Indices of the stages this rank ran."""
+    step_ms: tuple[float, ...]
+    """Each timed pipeline step, between barriers (optimizer step excluded)."""
+    optimizer_ms: tuple[float, ...]
+    """Each timed step's ``optimizer.step()``."""
+    cpu_ms: tuple[float, ...]
+    """Process CPU time during each timed pipeline step."""
+    spans: tuple[tuple[Span, ...], ...]
+    """Per timed step, every F/B/W and p2p wait of this rank."""
+    memory: MeasuredMemory
+    """Memory of the last, untimed step."""
+    memory_method: str
+    """How memory was measured (``verify.memory.CPU_METHOD`` or ``CUDA_METHOD``)."""
+    device: str
+    """The device's name."""
+    num_threads: int
+    """torch's thread count in this rank."""
+
+
+def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> RankResult:
+    """Run the plan on this rank and measure it (see the module docstring).
+
+    Args:
+        plan: The plan to run; this rank builds only its own stages.
+        settings: Steps, warm-up, threads and seed.
+        device: This rank's device.
+
+    Returns:
+        This rank's measurements.
+
+    Raises:
+        RuntimeSetupError: The model is not an HF causal LM, or the plan lacks its
+            micro-batch size, sequence length or a known optimizer.
+    """
     from autopart.runtime import auto_pipeline
 
     torch.set_num_threads(settings.threads_per_rank)
@@ -69,7 +112,7 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[st
     if pipe.config is None:
         raise RuntimeSetupError(f"autopart verify trains HF causal LMs on synthetic tokens; "
                                 f"{settings.model!r} is not one (give an HF preset or config)")
-    optimizer = _make_optimizer(plan.setup.get("optimizer", "adam"), pipe.parameters(),
+    optimizer = _make_optimizer(plan.setup.optimizer, pipe.parameters(),
                                 settings.lr)
     ids = _synthetic_ids(plan, pipe.config.vocab_size, settings.seed)
     ids = ids.to(device)
@@ -91,18 +134,13 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> dict[st
     finally:
         recorder.detach()
     timed = slice(settings.warmup, None)
-    return {
-        "rank": pipe.groups.pp_rank,
-        "stages": [s.index for s in pipe.stage_plans],
-        "step_ms": step_ms[timed],
-        "optimizer_ms": optimizer_ms[timed],
-        "cpu_ms": cpu_ms[timed],
-        "spans": [[list(_span_row(s)) for s in step] for step in recorder.steps[timed]],
-        "memory": memory,
-        "memory_method": CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
-        "device": _device_name(device),
-        "num_threads": torch.get_num_threads(),
-    }
+    return RankResult(
+        rank=pipe.groups.pp_rank, stages=tuple(s.index for s in pipe.stage_plans),
+        step_ms=tuple(step_ms[timed]), optimizer_ms=tuple(optimizer_ms[timed]),
+        cpu_ms=tuple(cpu_ms[timed]),
+        spans=tuple(tuple(_span_row(s) for s in step) for step in recorder.steps[timed]),
+        memory=memory, memory_method=CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
+        device=_device_name(device), num_threads=torch.get_num_threads())
 
 
 def _timed_step(run_step, pipe, optimizer, recorder: StepRecorder,
@@ -153,7 +191,7 @@ def _synthetic_ids(plan: Plan, vocab_size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, shape, generator=gen)
 
 
-def _span_row(span) -> tuple:
+def _span_row(span) -> Span:
     return (span.kind, span.stage_idx, span.microbatch_idx, round(span.start_ms, 4),
             round(span.end_ms, 4))
 
