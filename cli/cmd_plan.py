@@ -19,7 +19,7 @@ from autopart.export import FORMATS, export_plan
 from autopart.profile import load_device_spec
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
-from autopart.simulate import write_trace
+from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
 
 from ._format import gib, parse_bytes, summarize_modules
@@ -169,11 +169,6 @@ def _solver_text(plan: Plan) -> str:
 
 
 def _write_trace(plan: Plan, path: str) -> None:
-    from autopart.cost import stage_costs_of_plan
-    from autopart.simulate import simulate
-
-    result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
-                      virtual_stages=plan.virtual_stages,
-                      num_microbatches=plan.num_microbatches, setup=plan.setup)
+    result = simulate_plan(plan)
     names = [f"stage {s.index}: {summarize_modules(s.modules)}" for s in plan.stages]
     write_trace(result, path, stage_names=names)

@@ -7,10 +7,9 @@ import sys
 
 from rich.console import Console
 
-from autopart.cost import stage_costs_of_plan
 from autopart.errors import PlanError
 from autopart.schema import Plan
-from autopart.simulate import render_timeline, simulate, write_trace
+from autopart.simulate import render_timeline, simulate_plan, write_trace
 
 from ._format import gib
 
@@ -32,9 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.width < 10:
         raise PlanError(f"--width must be at least 10 characters, got {args.width}")
     plan = Plan.load(args.plan)
-    result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
-                      virtual_stages=plan.virtual_stages,
-                      num_microbatches=plan.num_microbatches, setup=plan.setup)
+    result = simulate_plan(plan)
     console = Console(width=None if sys.stdout.isatty() else args.width + 20)
     console.print(f"[bold]{plan.model_name or 'plan'}[/]: pp={plan.pp_size} "
                   f"v={plan.virtual_stages} {plan.schedule} m={plan.num_microbatches}")

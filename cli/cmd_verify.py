@@ -19,11 +19,11 @@ from rich.table import Table
 
 from autopart.errors import RuntimeSetupError
 from autopart.schema import Plan, Profile
+from autopart.simulate import simulate_plan
 from autopart.verify import (
     RunReport,
     RunSettings,
     calibrate_profile,
-    predict,
     verify_plan,
     write_comparison_trace,
 )
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         report.save(args.json)
         console.print(f"run report written to {args.json}")
     if args.trace:
-        write_comparison_trace(report, predict(plan), args.trace)
+        write_comparison_trace(report, simulate_plan(plan), args.trace)
         console.print(f"trace (measured + simulated) written to {args.trace}")
     if profile is not None:
         calibrate_profile(profile, report, plan, source=args.json or "").save(

@@ -276,3 +276,24 @@ def test_deadlocked_order_is_an_internal_error() -> None:
     plan = ((_entry("B", 0, 0, 0, [0], 1), _entry("F", 0, 0, 0, [0], 1)),)
     with pytest.raises(AssertionError, match="deadlocked"):
         _run(plan, ([1.0], [1.0], [0.0]), [[0.0], [0.0]], 1, 1, None)
+
+
+def test_simulate_plan_replays_a_hand_written_plan():
+    """1F1B on 2 ranks, 4 microbatches, equal stages F=1, B=2, nothing sent:
+    (m + p - 1)(F + B) = 5 * 3 = 15 ms, the closed form above, from the plan alone."""
+    from autopart.schema import Plan, RankPlan, StagePlan
+    from autopart.simulate import simulate_plan
+
+    stages = tuple(StagePlan(index=i, rank=i, modules=(f"b{i}",), fwd_ms=1.0, bwd_ms=2.0,
+                             bwd_input_ms=2.0, bwd_weight_ms=0.0, param_count=0)
+                   for i in range(2))
+    ranks = tuple(RankPlan(rank=i, stages=(i,), peak_memory_bytes=0, busy_ms=0.0)
+                  for i in range(2))
+    plan = Plan(profile_fingerprint="f", pp_size=2, virtual_stages=1, schedule="1f1b",
+                num_microbatches=4, pipeline_cuts=("b0",), stages=stages, ranks=ranks,
+                predicted_step_ms=0.0, bubble_fraction=0.0,
+                setup=TrainingSetup(pp_size=2, num_microbatches=4))
+    result = simulate_plan(plan)
+    assert result.step_ms == pytest.approx(15.0)
+    assert result.rank_busy_ms == pytest.approx([12.0, 12.0])
+    assert not simulate_plan(plan, record_events=False).events

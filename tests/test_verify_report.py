@@ -12,13 +12,13 @@ import json
 import pytest
 
 from autopart.errors import SchemaError
+from autopart.simulate import simulate_plan
 from autopart.solve import make_plan
 from autopart.verify import (
     RunReport,
     RunSettings,
     calibrate_profile,
     comparison_trace,
-    predict,
 )
 from autopart.verify.build import build_report
 from autopart.verify.report import MeasuredMemory
@@ -70,7 +70,7 @@ def report(plan):
 def test_report_medians_and_prediction(plan, report):
     """Stage F (+ loss) and full backward are the medians of both steps; the step is the
     median of the slowest rank's steps; predictions come from the simulator."""
-    assert report.predicted_step_ms == pytest.approx(predict(plan).step_ms)
+    assert report.predicted_step_ms == pytest.approx(simulate_plan(plan).step_ms)
     assert report.measured_step_ms == pytest.approx((100.0 + 111.0) / 2)
     for stage, scale in zip(report.stages, (2.0, 3.0)):
         planned = plan.stages[stage.index]
@@ -150,7 +150,7 @@ def test_calibration_refuses_the_same_run_twice_and_other_shapes(profile, plan, 
 
 
 def test_comparison_trace_holds_measured_and_simulated(plan, report):
-    trace = comparison_trace(report, predict(plan))
+    trace = comparison_trace(report, simulate_plan(plan))
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names == {"measured", "simulated", "simulated sends"}
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]

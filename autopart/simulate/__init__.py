@@ -1,11 +1,13 @@
 """Simulate a pipeline schedule with real durations: step time, bubbles, memory, traces.
 
-``rank_orders`` gives each rank's compute actions, ``simulate`` runs them as
-events, ``chrome_trace`` / ``render_timeline`` show the result.
+``simulate_plan`` replays a ``Plan``; ``rank_orders`` gives each rank's compute
+actions, ``simulate`` runs them as events, ``chrome_trace`` / ``render_timeline``
+show the result.
 """
 
 from autopart.simulate.engine import SimEvent, SimResult, simulate
 from autopart.simulate.orders import Action, max_in_flight, rank_orders
+from autopart.simulate.replay import simulate_plan
 from autopart.simulate.trace import chrome_trace, render_timeline, write_trace
 
 # Public entry points of the simulate phase.
@@ -18,5 +20,6 @@ __all__ = [
     "rank_orders",
     "render_timeline",
     "simulate",
+    "simulate_plan",
     "write_trace",
 ]

@@ -7,7 +7,6 @@ and p2p wait, measures per-rank peak memory and returns a ``RunReport``;
 ``write_comparison_trace`` puts the measured and simulated steps in one trace.
 """
 
-from autopart.verify.build import predict
 from autopart.verify.calibrate import calibrate_profile
 from autopart.verify.report import RankReport, RunReport, StageReport
 from autopart.verify.run import check_model_matches, verify_plan
@@ -23,7 +22,6 @@ __all__ = [
     "calibrate_profile",
     "check_model_matches",
     "comparison_trace",
-    "predict",
     "verify_plan",
     "write_comparison_trace",
 ]

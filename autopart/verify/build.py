@@ -1,8 +1,7 @@
 """Turn the per-rank measurements of a run into a ``RunReport`` beside the plan's prediction.
 
-The prediction is the simulator's run of the plan's own stage costs and link
-figures (``simulate(stage_costs_of_plan(plan), ...)``), so it is exactly what
-``autopart plan`` and ``autopart simulate`` show for this plan.
+The prediction is ``simulate_plan(plan)``, so it is exactly what ``autopart plan``
+and ``autopart simulate`` show for this plan.
 """
 
 from __future__ import annotations
@@ -11,23 +10,15 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from autopart.cost import stage_costs_of_plan
 from autopart.schedules import schedule_info
 from autopart.schema import Plan
-from autopart.simulate import SimResult, simulate
+from autopart.simulate import SimResult, simulate_plan
 from autopart.verify.report import RankReport, RunReport, StageReport, plan_digest
 from autopart.verify.worker import RankResult, RunSettings
 
-__all__ = ["build_report", "predict"]
+__all__ = ["build_report"]
 
 _COMPUTE = ("F", "LOSS", "B", "BW", "W")
-
-
-def predict(plan: Plan) -> SimResult:
-    """The simulated step of ``plan`` (its stage costs, schedule and link figures)."""
-    return simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
-                    virtual_stages=plan.virtual_stages, num_microbatches=plan.num_microbatches,
-                    setup=plan.setup)
 
 
 def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult]
@@ -43,7 +34,7 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         Measured against predicted, per stage, per rank and per step.
     """
     results = sorted(results, key=lambda r: r.rank)
-    sim = predict(plan)
+    sim = simulate_plan(plan)
     steps = [max(r.step_ms[i] for r in results) for i in range(len(results[0].step_ms))]
     train = [max(r.step_ms[i] + r.optimizer_ms[i] for r in results)
              for i in range(len(steps))]
