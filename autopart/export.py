@@ -7,6 +7,9 @@
   module FQNs per stage; NeMo also wants the shared rotary module on every stage).
 * Megatron-core: ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t``
   decoder layer, ``L`` loss/head, stages split by ``|``, listed in stage order).
+
+What each tool can run (cut positions, schedules) is ``autopart.targets``; a plan
+that breaks those rules is refused here with a ``PlanError``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 from autopart.errors import PlanError
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, Profile
+from autopart.targets import TARGETS, planning_constraints
 
 __all__ = [
     "FORMATS",
@@ -26,37 +30,27 @@ __all__ = [
     "to_nxd",
 ]
 
-FORMATS = ("nxd", "nemo", "torchtitan", "megatron")
+FORMATS = TARGETS
 
 _NORM_LEAF_CLASSES = ("RMSNorm", "LayerNorm")
 
-NXD_SCHEDULES = ("1f1b", "interleaved-1f1b")
-"""The schedules NxDPPModel runs (``virtual_pipeline_size`` 1 or more)."""
-MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
-"""The schedules Megatron-core runs with a custom layout."""
-
 
 def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
-    """NxDPPModel arguments for ``plan``; raise ``PlanError`` where NxD cannot follow it.
+    """NxDPPModel arguments for ``plan``.
 
-    NxD cuts at transformer-layer module names, keeps the embedding on the first
-    stage and the head on the last, and its interleaved schedule needs
-    ``num_microbatches`` divisible by the pipeline size.
+    Args:
+        plan: A plan within ``planning_constraints("nxd")``.
+        profile: The profile it was made from (layer and norm class names).
+
+    Returns:
+        ``pipeline_cuts``, ``virtual_pipeline_size``, ``num_microbatches``,
+        ``pipeline_parallel_size``, ``transformer_layer_cls`` and ``leaf_module_cls``.
+
+    Raises:
+        PlanError: NxD cannot run the plan (see ``autopart.targets``).
     """
-    kinds = _kinds(profile)
+    planning_constraints("nxd").check_plan(plan, profile)
     cuts = list(plan.pipeline_cuts)
-    for cut in cuts:
-        if kinds.get(cut) != "decoder_layer":
-            raise PlanError(
-                f"cut after {cut!r} is not at a transformer layer, which NxD requires; "
-                f"re-plan with --format nxd so cuts stay on layer boundaries")
-    if plan.schedule not in NXD_SCHEDULES:
-        raise PlanError(f"NxD has no {plan.schedule} schedule; plan with --schedule 1f1b or "
-                        f"interleaved-1f1b for NxD")
-    if plan.virtual_stages > 1 and plan.num_microbatches % plan.pp_size:
-        raise PlanError(f"NxD's interleaved schedule needs num_microbatches "
-                        f"({plan.num_microbatches}) divisible by pp ({plan.pp_size}); "
-                        f"re-plan with --microbatches a multiple of {plan.pp_size}")
     layer_cls = list(profile.model.layer_classes)
     leaf_cls = sorted({b.class_name for b in profile.blocks
                        if b.class_name.endswith(_NORM_LEAF_CLASSES)})
@@ -94,10 +88,20 @@ def to_module_fqns(plan: Plan, shared_modules: tuple[str, ...] = ()) -> list[lis
 
 
 def to_megatron_layout(plan: Plan, profile: Profile) -> str:
-    """Megatron-core ``pipeline_model_parallel_layout`` string for ``plan``."""
-    if plan.schedule not in MEGATRON_SCHEDULES:
-        raise PlanError(f"Megatron runs no {plan.schedule} schedule with a layout; plan with "
-                        f"--schedule 1f1b or interleaved-1f1b for Megatron")
+    """Megatron-core ``pipeline_model_parallel_layout`` string for ``plan``.
+
+    Args:
+        plan: A plan within ``planning_constraints("megatron")``.
+        profile: The profile it was made from (block kinds).
+
+    Returns:
+        The layout, e.g. ``Et*3|t*3L``.
+
+    Raises:
+        PlanError: Megatron cannot run the plan (see ``autopart.targets``), or a
+            block is of a kind the layout has no symbol for.
+    """
+    planning_constraints("megatron").check_plan(plan, profile)
     symbols = {"embedding": "E", "decoder_layer": "t", "head": "L", "norm": ""}
     kinds = _kinds(profile)
     parts = []
@@ -114,7 +118,22 @@ def to_megatron_layout(plan: Plan, profile: Profile) -> str:
 
 
 def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
-    """Text of ``plan`` in format ``fmt`` (one of ``FORMATS``)."""
+    """Text of ``plan`` in another tool's format.
+
+    Args:
+        plan: The plan; make it with ``make_plan(..., target=fmt)`` so the tool can
+            run it.
+        profile: The profile it was made from.
+        fmt: One of ``FORMATS`` (``nxd``, ``nemo``, ``torchtitan``, ``megatron``).
+
+    Returns:
+        What to paste: Python for NxD, JSON for NeMo and torchtitan, flags for
+        Megatron.
+
+    Raises:
+        PlanError: An unknown format, or a plan the tool cannot run.
+    """
+    planning_constraints(fmt).check_plan(plan, profile)
     if fmt == "nxd":
         return nxd_snippet(plan, profile)
     if fmt == "nemo":
@@ -134,7 +153,7 @@ def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
         layout = to_megatron_layout(plan, profile)
         return (f"--pipeline-model-parallel-size {plan.pp_size} "
                 f"--pipeline-model-parallel-layout \"{layout}\"\n")
-    raise PlanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    raise AssertionError(f"no exporter for target {fmt!r}")
 
 
 def _kinds(profile: Profile) -> dict[str, str]:

@@ -109,19 +109,9 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
         setup["link_latency_ms"] = args.link_latency_ms
     elif spec is not None:
         setup["link_latency_ms"] = spec.link_latency_ms
-    schedule, cut_kinds = args.schedule, None
-    if args.format in ("nxd", "megatron"):
-        # NxDPPModel cuts only after transformer layers; Megatron's layout has no symbol
-        # for the final norm, which stays with the head. Both run 1F1B / interleaved 1F1B.
-        cut_kinds = ("decoder_layer",) if args.format == "nxd" else ("embedding",
-                                                                     "decoder_layer")
-        if schedule == "auto":
-            interleaved_ok = args.format != "nxd" or args.microbatches is None or \
-                args.microbatches % args.pp == 0
-            schedule = ["1f1b", "interleaved-1f1b"] if interleaved_ok else ["1f1b"]
     return {"pp_size": args.pp, "num_microbatches": args.microbatches,
-            "global_batch_size": args.global_batch_size, "schedule": schedule,
-            "cut_kinds": cut_kinds,
+            "global_batch_size": args.global_batch_size, "schedule": args.schedule,
+            "target": args.format if args.format in FORMATS else None,
             "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
             "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute, **setup}
 

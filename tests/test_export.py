@@ -19,6 +19,8 @@ from autopart.schema import (
     StagePlan,
     TrainingSetup,
 )
+from autopart.solve import make_plan
+from autopart.targets import planning_constraints
 
 NAMES = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(6)] + ["model.norm", "lm_head"]
 KINDS = ["embedding"] + ["decoder_layer"] * 6 + ["norm", "head"]
@@ -66,7 +68,8 @@ def test_nxd_cuts_and_classes():
 
 
 def test_nxd_refuses_cut_outside_layers_and_bad_microbatches():
-    with pytest.raises(PlanError, match="not at a transformer layer"):
+    with pytest.raises(PlanError, match="'model.embed_tokens' .kind embedding. is not where NxD "
+                                        "can cut: only after decoder_layer blocks"):
         to_nxd(_plan([1, 8]), _profile())
     with pytest.raises(PlanError, match="divisible by pp"):
         to_nxd(_plan([2, 2, 2, 3], schedule="interleaved-1f1b", v=2, m=5), _profile())
@@ -85,14 +88,14 @@ def test_megatron_layout():
     assert to_megatron_layout(_plan([4, 5]), _profile()) == "Et*3|t*3L"
     assert to_megatron_layout(_plan([2, 2, 2, 3], "interleaved-1f1b", v=2), _profile()) == \
         "Et|tt|tt|tL"
-    with pytest.raises(PlanError, match="runs no zbv schedule"):
+    with pytest.raises(PlanError, match="Megatron runs no zbv schedule"):
         to_megatron_layout(_plan([2, 2, 2, 3], "zbv", v=2), _profile())
     with pytest.raises(PlanError, match="runs no looped-bfs schedule"):
         to_megatron_layout(_plan([2, 2, 2, 3], "looped-bfs", v=2), _profile())
 
 
 def test_nxd_refuses_schedules_it_lacks():
-    with pytest.raises(PlanError, match="NxD has no gpipe schedule"):
+    with pytest.raises(PlanError, match="NxD runs no gpipe schedule"):
         to_nxd(_plan([4, 5], schedule="gpipe"), _profile())
 
 
@@ -101,6 +104,44 @@ def test_torchtitan_takes_the_plans_microbatch_size_and_schedule():
     titan = json.loads(export_plan(plan, _profile(), "torchtitan"))["parallelism"]
     assert titan["pipeline_parallel_microbatch_size"] == 4
     assert titan["pipeline_parallel_schedule"] == "1F1B"
+
+
+def test_megatron_keeps_the_norm_with_the_head():
+    """The layout has no symbol for the final norm: a cut between norm and head is refused."""
+    with pytest.raises(PlanError, match="'model.norm' .kind norm. is not where Megatron can cut"):
+        to_megatron_layout(_plan([8, 1]), _profile())
+
+
+def test_planning_constraints_are_the_export_rules():
+    nxd = planning_constraints("nxd")
+    assert nxd.cut_kinds == ("decoder_layer",)
+    assert nxd.schedules_for("auto", pp_size=2, num_microbatches=4) == ["1f1b",
+                                                                       "interleaved-1f1b"]
+    assert nxd.schedules_for("auto", pp_size=4, num_microbatches=6) == ["1f1b"]
+    assert nxd.schedules_for("1f1b", pp_size=4, num_microbatches=6) == "1f1b"
+    with pytest.raises(PlanError, match="NxD runs no zbv schedule"):
+        nxd.schedules_for(["1f1b", "zbv"], pp_size=2, num_microbatches=4)
+    with pytest.raises(PlanError, match=r"divisible by pp \(4\)"):
+        nxd.schedules_for("interleaved-1f1b", pp_size=4, num_microbatches=6)
+    titan = planning_constraints("torchtitan")
+    assert (titan.cut_kinds, titan.schedules_for("zbv", pp_size=2, num_microbatches=2)) == \
+        (None, "zbv")
+
+
+def test_make_plan_for_a_target_exports_without_further_rules():
+    """A library user plans for NxD and Megatron with make_plan alone (no CLI)."""
+    profile = dataclasses.replace(_profile(), blocks=tuple(
+        dataclasses.replace(b, fwd_ms=20.0 if b.kind == "head" else 1.0)
+        for b in _profile().blocks))
+    for target in ("nxd", "megatron"):
+        plan = make_plan(profile, pp_size=2, num_microbatches=4, target=target)
+        assert plan.schedule in ("1f1b", "interleaved-1f1b")
+        assert export_plan(plan, profile, target)
+    plan = make_plan(profile, pp_size=2, num_microbatches=4, target="nxd")
+    kinds = {b.name: b.kind for b in profile.blocks}
+    assert all(kinds[cut] == "decoder_layer" for cut in plan.pipeline_cuts)
+    with pytest.raises(PlanError, match="NxD runs no gpipe schedule"):
+        make_plan(profile, pp_size=2, num_microbatches=4, schedule="gpipe", target="nxd")
 
 
 def test_unknown_format():

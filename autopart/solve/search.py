@@ -29,6 +29,7 @@ from autopart.solve.chain import Chain, build_chain
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
 from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, refine
+from autopart.targets import planning_constraints
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
 
@@ -72,7 +73,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
               solver: str = "auto", memory_limit_bytes: int | None = None,
               allow_recompute: bool = True, ilp_backend: str = "auto",
               ilp_time_limit_s: float | None = None, cut_kinds: Sequence[str] | None = None,
-              refine_evals: int = 300, **setup_fields: Any) -> Plan:
+              refine_evals: int = 300, target: str | None = None,
+              **setup_fields: Any) -> Plan:
     """Plan the pipeline of ``profile`` on ``pp_size`` ranks.
 
     ``num_microbatches`` fixes m; else ``global_batch_size`` (samples per step and
@@ -83,13 +85,20 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     v in (2, 4, 8) that torch accepts. ``partition``: ``optimal`` (``solver``: dp,
     ilp, or auto = DP, plus the ILP for small multi-stage problems) or a baseline
     (even, params, torchtitan). ``cut_kinds`` restricts cuts to after blocks of
-    those kinds (NxD: ``("decoder_layer",)``). ``refine_evals`` bounds the local
-    search's simulations per refined candidate (0 turns it off). ``ilp_time_limit_s``
+    those kinds (NxD: ``("decoder_layer",)``). ``target`` (an export format: ``nxd``,
+    ``megatron``, ...) plans within that tool's rules (``autopart.targets``): its cut
+    kinds unless ``cut_kinds`` is given, and its schedules. ``refine_evals`` bounds the
+    local search's simulations per refined candidate (0 turns it off). ``ilp_time_limit_s``
     defaults to 60 s per ILP with ``solver="ilp"`` and 5 s with ``"auto"``.
     ``setup_fields`` go to ``TrainingSetup`` (optimizer, dtypes, link figures, ...).
     Raises ``PlanError`` for bad settings and ``InfeasibleError`` (with the memory
     that would fit) when nothing fits.
     """
+    if target is not None:
+        rules = planning_constraints(target)
+        schedule = rules.schedules_for(schedule, pp_size=pp_size,
+                                       num_microbatches=num_microbatches)
+        cut_kinds = rules.cut_kinds if cut_kinds is None else cut_kinds
     _check_args(profile, pp_size, partition, solver, virtual_stages)
     if ilp_time_limit_s is None:
         # Under "auto" the ILP is a second opinion beside the DP: keep it short.
