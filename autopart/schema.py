@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopart.errors import SchemaError
+from autopart.errors import RuntimeSetupError, SchemaError
 from autopart.jsonio import SCHEMA_VERSION, JsonFile, dump_json, load_json
 
 __all__ = [
@@ -339,6 +339,22 @@ class Plan(JsonFile):
         bad = [s.index for s in self.stages if not 0 <= s.rank < self.pp_size]
         if bad:
             raise SchemaError(f"plan places stage(s) {bad} on ranks outside 0..{self.pp_size - 1}")
+
+    def check_model(self, fingerprint: str, model: str = "this model") -> None:
+        """Refuse to run the plan on a model other than the one it was planned for.
+
+        Args:
+            fingerprint: The model's block-chain fingerprint (``BlockChain.fingerprint``).
+            model: How to name the model in the message.
+
+        Raises:
+            RuntimeSetupError: ``fingerprint`` is not the plan's ``profile_fingerprint``.
+        """
+        if fingerprint != self.profile_fingerprint:
+            raise RuntimeSetupError(
+                f"the plan was made for another model (profile fingerprint "
+                f"{self.profile_fingerprint}, {model} has {fingerprint}); profile and plan "
+                f"{model} again")
 
     def stages_of_rank(self, rank: int) -> list[StagePlan]:
         """The stages ``rank`` holds, in stage order."""

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from autopart.errors import PlanError
 from autopart.export import FORMATS, export_plan
-from autopart.profile import load_device_spec
+from autopart.profile import load_device_spec, parse_backend
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 from autopart.simulate import simulate_plan, write_trace
@@ -91,9 +91,7 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
         if not virtual.isdigit() or int(virtual) < 1:
             raise PlanError(f"--virtual-stages must be auto or a positive integer, got {virtual!r}")
         virtual = int(virtual)
-    device = args.device
-    if device is None and profile.setup.backend.startswith("analytical:"):
-        device = profile.setup.backend.split(":", 1)[1]
+    device = args.device or parse_backend(profile.setup.backend).device
     spec = load_device_spec(device) if device else None
     limit = parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     if limit is None and spec is not None:

@@ -228,3 +228,13 @@ def test_unwritable_output_is_one_error(tmp_path):
 def test_negative_link_latency_is_rejected():
     with pytest.raises(SchemaError, match="latency must be >= 0"):
         TrainingSetup(pp_size=1, num_microbatches=1, link_latency_ms=-1.0)
+
+
+def test_plan_refuses_another_models_fingerprint():
+    from autopart.errors import RuntimeSetupError
+
+    plan = _two_stage_plan()
+    plan.check_model("f", "tiny")
+    with pytest.raises(RuntimeSetupError, match=r"made for another model \(profile fingerprint "
+                                                r"f, 'tiny' has g\); profile and plan 'tiny'"):
+        plan.check_model("g", "'tiny'")

@@ -12,7 +12,7 @@ from torch import nn
 
 from autopart.errors import ProfileError
 from autopart.intake import discover_blocks, load_model
-from autopart.profile import list_devices, load_device_spec, profile_model
+from autopart.profile import list_devices, load_device_spec, parse_backend, profile_model
 from autopart.profile.analytical import Roofline, estimate_times, flash_sdpa
 from autopart.profile.measure import memory_pass
 from autopart.profile.tasks import BlockTask
@@ -150,3 +150,22 @@ def test_missing_dtype_peak_is_a_profile_error(monkeypatch):
     monkeypatch.setattr(validate, "load_device_spec", lambda name: limited)
     with pytest.raises(ProfileError, match="no peak FLOP/s for dtype float32"):
         profile_model("tiny-llama", backend="analytical:trn1", seq_len=16)
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("cpu", ("cpu", None)), (" CUDA ", ("cuda", None)), ("xla", ("xla", None)),
+    ("analytical:H100", ("analytical", "h100")), ("analytical:trn2", ("analytical", "trn2")),
+])
+def test_parse_backend(text, parsed):
+    name = parse_backend(text)
+    assert (name.kind, name.device) == parsed
+    assert str(name) == (f"analytical:{parsed[1]}" if parsed[1] else parsed[0])
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("analytical", "needs a device"), ("analytical:nope", "unknown device 'nope'"),
+    ("tpu", "unknown backend 'tpu'"), ("cpu:0", "unknown backend 'cpu:0'"),
+])
+def test_parse_backend_rejects(text, message):
+    with pytest.raises(ProfileError, match=message):
+        parse_backend(text)

@@ -22,8 +22,8 @@ W is always ``bwd_ms - bwd_input_ms`` (see ``autopart.profile.measure``); attent
 on meta is counted as flash attention (see ``autopart.profile.analytical``).
 """
 
-from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec
+from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec, parse_backend
 from autopart.profile.profiler import profile_model
 
 # Public entry points of the profile phase.
-__all__ = ["DeviceSpec", "list_devices", "load_device_spec", "profile_model"]
+__all__ = ["DeviceSpec", "list_devices", "load_device_spec", "parse_backend", "profile_model"]

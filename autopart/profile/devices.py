@@ -1,4 +1,5 @@
-"""Device specifications for the analytical backend (``profiles/devices.json``)."""
+"""Backend names (``cpu``, ``cuda``, ``xla``, ``analytical:<device>``) and the device
+specifications of the analytical backend (``profiles/devices.json``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import Any
 from autopart._data import data_path
 from autopart.errors import ProfileError
 
-__all__ = ["DeviceSpec", "list_devices", "load_device_spec"]
+__all__ = ["BACKENDS", "BackendName", "DeviceSpec", "list_devices", "load_device_spec",
+           "parse_backend"]
+
+BACKENDS = ("cpu", "cuda", "xla")
+"""The measuring backends; ``analytical:<device>`` estimates instead."""
 
 _REQUIRED = ("name", "peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes",
              "link_bandwidth_bytes_per_s", "link_latency_ms", "source")
@@ -44,6 +49,47 @@ class DeviceSpec:
         peak = self.peak_flops[dtype] * self.compute_efficiency
         bandwidth = self.memory_bandwidth_bytes_per_s * self.memory_efficiency
         return max(flops / peak, num_bytes / bandwidth)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendName:
+    """A parsed backend string."""
+
+    kind: str
+    """``cpu``, ``cuda``, ``xla`` or ``analytical``."""
+    device: str | None = None
+    """The device-spec key of an ``analytical`` backend (``h100``, ...); else ``None``."""
+
+    def __str__(self) -> str:
+        return f"analytical:{self.device}" if self.kind == "analytical" else self.kind
+
+
+def parse_backend(text: str) -> BackendName:
+    """Parse a backend string, the one place that reads ``analytical:<device>``.
+
+    Args:
+        text: ``cpu``, ``cuda``, ``xla`` or ``analytical:<device>`` (any case and
+            surrounding spaces).
+
+    Returns:
+        The backend, with the analytical device's spec key normalized.
+
+    Raises:
+        ProfileError: Not a string, an unknown backend, ``analytical`` without a
+            device, or a device not in ``profiles/devices.json``.
+    """
+    if not isinstance(text, str):
+        raise ProfileError(f"backend must be a string, got {text!r}")
+    kind, sep, device = text.strip().lower().partition(":")
+    if kind == "analytical":
+        if not device:
+            raise ProfileError("backend 'analytical' needs a device: use analytical:<device>, "
+                               "e.g. analytical:h100 (see profiles/devices.json)")
+        return BackendName("analytical", load_device_spec(device).key)
+    if sep or kind not in BACKENDS:
+        raise ProfileError(f"unknown backend {text!r}; expected one of "
+                           f"{', '.join(BACKENDS)}, analytical:<device>")
+    return BackendName(kind)
 
 
 def list_devices() -> list[str]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from autopart.profile.analytical import estimate_times, flash_sdpa
 from autopart.profile.backends import Backend, make_backend
-from autopart.profile.devices import DeviceSpec, load_device_spec
+from autopart.profile.devices import DeviceSpec, load_device_spec, parse_backend
 from autopart.profile.materialize import materialize_block
 from autopart.profile.measure import MemoryFigures, TimeFigures, measure_times, memory_pass
 from autopart.profile.memory import tensor_bytes
@@ -104,6 +104,7 @@ class AnalyticalEngine:
 def make_engine(backend: str, dtype: str, num_warmup: int,
                 num_repeats: int) -> MeasuringEngine | AnalyticalEngine:
     """The engine for a validated backend string."""
-    if backend.startswith("analytical:"):
-        return AnalyticalEngine(load_device_spec(backend.split(":", 1)[1]), dtype)
-    return MeasuringEngine(make_backend(backend), num_warmup, num_repeats)
+    name = parse_backend(backend)
+    if name.device is not None:
+        return AnalyticalEngine(load_device_spec(name.device), dtype)
+    return MeasuringEngine(make_backend(name.kind), num_warmup, num_repeats)

@@ -6,32 +6,23 @@ import torch
 
 from autopart.errors import ProfileError
 from autopart.intake import BlockChain, LoadedModel
-from autopart.profile.devices import load_device_spec
+from autopart.profile.devices import load_device_spec, parse_backend
 
 __all__ = ["TORCH_DTYPES", "check_settings", "check_shapes"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_BACKENDS = ("cpu", "cuda", "xla")
 
 
 def check_settings(backend: str, micro_batch_size: int, seq_len: int, dtype: str,
                    num_warmup: int, num_repeats: int) -> str:
     """Check the settings that need no model; return the normalized backend string."""
-    if not isinstance(backend, str):
-        raise ProfileError(f"backend must be a string, got {backend!r}")
-    backend = backend.strip().lower()
-    if backend == "analytical":
-        raise ProfileError("backend 'analytical' needs a device: use analytical:<device>, "
-                           "e.g. analytical:h100 (see profiles/devices.json)")
-    if backend.startswith("analytical:"):
-        spec = load_device_spec(backend.split(":", 1)[1])
-        backend = f"analytical:{spec.key}"
+    name = parse_backend(backend)
+    backend = str(name)
+    if name.device is not None:
+        spec = load_device_spec(name.device)
         if dtype in TORCH_DTYPES and dtype not in spec.peak_flops:
             raise ProfileError(f"device {spec.key} has no peak FLOP/s for dtype {dtype}; "
                                f"use one of {sorted(spec.peak_flops)}")
-    elif backend not in _BACKENDS:
-        raise ProfileError(f"unknown backend {backend!r}; expected one of cpu, cuda, xla, "
-                           f"analytical:<device>")
     if dtype not in TORCH_DTYPES:
         raise ProfileError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPES)}")
     _check_int("micro_batch_size", micro_batch_size, 1, "--micro-batch-size")

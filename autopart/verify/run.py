@@ -56,14 +56,19 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
 
 
 def check_model_matches(plan: Plan, model: str) -> None:
-    """Raise ``RuntimeSetupError`` unless ``model``'s block chain has the plan's fingerprint."""
+    """Refuse ``model`` unless it is the model ``plan`` was made for.
+
+    Args:
+        plan: The plan to verify.
+        model: A model source (preset, HF config path, ...).
+
+    Raises:
+        RuntimeSetupError: ``model``'s block chain has another fingerprint.
+        ModelSourceError: ``model`` cannot be loaded.
+    """
     from autopart.intake import discover_blocks, load_model
 
-    chain = discover_blocks(load_model(model).model)
-    if chain.fingerprint != plan.profile_fingerprint:
-        raise RuntimeSetupError(f"the plan was made for another model (fingerprint "
-                                f"{plan.profile_fingerprint}, {model!r} has "
-                                f"{chain.fingerprint}); profile and plan {model!r} first")
+    plan.check_model(discover_blocks(load_model(model).model).fingerprint, repr(model))
 
 
 def _run_in_place(plan: Plan, settings: RunSettings) -> RunReport | None:
