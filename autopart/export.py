@@ -5,6 +5,10 @@
   ``transformer_layer_cls`` and ``leaf_module_cls``.
 * NeMo AutoPipeline and torchtitan: ``module_fqns_per_model_part`` (a list of
   module FQNs per stage; NeMo also wants the shared rotary module on every stage).
+  The FQNs are those of the model definition the tool trains: NeMo trains the HF
+  model, torchtitan its own ``Transformer`` (``tok_embeddings``, ``layers.N``,
+  ``norm``, ``output``, as its ``generate_llm_fqn_per_model_part`` names them), so
+  torchtitan gets the HF layout mapped to those names unless HF names are asked for.
 * Megatron-core: ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t``
   decoder layer, ``L`` loss/head, stages split by ``|``, listed in stage order).
 
@@ -23,16 +27,24 @@ from autopart.targets import TARGETS, planning_constraints
 
 __all__ = [
     "FORMATS",
+    "MODULE_NAMES",
     "export_plan",
     "nxd_snippet",
     "to_megatron_layout",
     "to_module_fqns",
     "to_nxd",
+    "to_torchtitan_fqns",
 ]
 
 FORMATS = TARGETS
 
+MODULE_NAMES = ("native", "hf")
+"""``native``: the names of the model definition the target tool trains; ``hf``: the
+HF model's (the profile's) names."""
+
 _NORM_LEAF_CLASSES = ("RMSNorm", "LayerNorm")
+_TORCHTITAN_NAMES = {"embedding": "tok_embeddings", "norm": "norm", "head": "output"}
+"""torchtitan's own module for each block kind; decoder layer ``i`` is ``layers.i``."""
 
 
 def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
@@ -87,6 +99,46 @@ def to_module_fqns(plan: Plan, shared_modules: tuple[str, ...] = ()) -> list[lis
     return [list(stage.modules) + list(shared_modules) for stage in plan.stages]
 
 
+def to_torchtitan_fqns(plan: Plan, profile: Profile) -> list[list[str]]:
+    """``module_fqns_per_model_part`` in torchtitan's own module names.
+
+    The HF causal-LM layout maps by block kind: the embedding to ``tok_embeddings``,
+    the ``i``-th decoder layer to ``layers.i``, the final norm to ``norm`` and the
+    head to ``output``.
+
+    Args:
+        plan: The plan.
+        profile: The profile it was made from (block kinds).
+
+    Returns:
+        Module FQNs per stage, in stage order.
+
+    Raises:
+        PlanError: A block has no torchtitan counterpart (a generic model), or two
+            blocks map to one torchtitan module.
+    """
+    layers = [b.name for b in profile.blocks if b.kind == "decoder_layer"]
+    names = {name: f"layers.{i}" for i, name in enumerate(layers)}
+    for block in profile.blocks:
+        if block.kind in _TORCHTITAN_NAMES:
+            native = _TORCHTITAN_NAMES[block.kind]
+            if native in names.values():
+                raise PlanError(f"two blocks of {profile.model.name!r} map to torchtitan's "
+                                f"{native!r}; export with --module-names hf "
+                                f"(module_names='hf') to keep the model's own FQNs")
+            names[block.name] = native
+    parts = []
+    for stage in plan.stages:
+        missing = [m for m in stage.modules if m not in names]
+        if missing:
+            raise PlanError(f"block {missing[0]!r} has no torchtitan module (torchtitan's "
+                            f"Transformer has tok_embeddings, layers.N, norm and output); "
+                            f"export with --module-names hf (module_names='hf') to keep "
+                            f"the model's own FQNs")
+        parts.append([names[m] for m in stage.modules])
+    return parts
+
+
 def to_megatron_layout(plan: Plan, profile: Profile) -> str:
     """Megatron-core ``pipeline_model_parallel_layout`` string for ``plan``.
 
@@ -117,7 +169,8 @@ def to_megatron_layout(plan: Plan, profile: Profile) -> str:
     return "|".join(parts)
 
 
-def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
+def export_plan(plan: Plan, profile: Profile, fmt: str, *, module_names: str = "native"
+                ) -> str:
     """Text of ``plan`` in another tool's format.
 
     Args:
@@ -125,15 +178,22 @@ def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
             run it.
         profile: The profile it was made from.
         fmt: One of ``FORMATS`` (``nxd``, ``nemo``, ``torchtitan``, ``megatron``).
+        module_names: ``native`` names modules as the model definition the tool
+            trains does (torchtitan: ``tok_embeddings``, ``layers.N``, ``norm``,
+            ``output``; NxD and NeMo train the HF model); ``hf`` keeps the HF names.
 
     Returns:
         What to paste: Python for NxD, JSON for NeMo and torchtitan, flags for
         Megatron.
 
     Raises:
-        PlanError: An unknown format, or a plan the tool cannot run.
+        PlanError: An unknown format or ``module_names``, a plan the tool cannot
+            run, or a model torchtitan's names cannot describe.
     """
     planning_constraints(fmt).check_plan(plan, profile)
+    if module_names not in MODULE_NAMES:
+        raise PlanError(f"unknown module_names {module_names!r}; choose one of "
+                        f"{', '.join(MODULE_NAMES)}")
     if fmt == "nxd":
         return nxd_snippet(plan, profile)
     if fmt == "nemo":
@@ -147,7 +207,8 @@ def export_plan(plan: Plan, profile: Profile, fmt: str) -> str:
             "pipeline_parallel_schedule": torch_class.removeprefix("Schedule"),
             "pipeline_parallel_microbatch_size": plan.micro_batch_size
             or profile.setup.micro_batch_size,
-            "module_fqns_per_model_part": to_module_fqns(plan)}}, indent=2) + "\n"
+            "module_fqns_per_model_part": to_torchtitan_fqns(plan, profile)
+            if module_names == "native" else to_module_fqns(plan)}}, indent=2) + "\n"
     if fmt == "megatron":
         # Megatron derives the virtual pipeline size from the number of stages in the layout.
         layout = to_megatron_layout(plan, profile)

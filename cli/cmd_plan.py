@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopart.errors import PlanError
-from autopart.export import FORMATS, export_plan
+from autopart.export import FORMATS, MODULE_NAMES, export_plan
 from autopart.profile import load_device_spec, parse_backend
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-recompute", action="store_true",
                    help="never use activation recomputation to fit memory")
     p.add_argument("--format", default="table", choices=["table", "json", *FORMATS])
+    p.add_argument("--module-names", default="native", choices=MODULE_NAMES,
+                   help="--format torchtitan: native = torchtitan's own Transformer "
+                        "(tok_embeddings, layers.N, norm, output), hf = the HF model's FQNs")
     p.add_argument("--trace", default=None, metavar="PATH", help="write the simulated trace")
     p.add_argument("--out", default=None, metavar="PATH", help="write the plan JSON here")
 
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         sys.stdout.write(plan.to_json())
     elif args.format != "table":
-        sys.stdout.write(export_plan(plan, profile, args.format))
+        sys.stdout.write(export_plan(plan, profile, args.format,
+                                     module_names=args.module_names))
     else:
         console = Console(width=None if sys.stdout.isatty() else 140)
         _print_table(plan, console)

@@ -6,6 +6,8 @@ import dataclasses
 import json
 
 import pytest
+import torch
+from torch import nn
 
 from autopart.errors import PlanError
 from autopart.export import export_plan, to_megatron_layout, to_module_fqns, to_nxd
@@ -80,8 +82,70 @@ def test_module_fqns_and_nemo_rotary():
     assert to_module_fqns(plan)[1] == NAMES[4:]
     nemo = json.loads(export_plan(plan, _profile(), "nemo"))
     assert all(part[-1] == "model.rotary_emb" for part in nemo["module_fqns_per_model_part"])
-    titan = json.loads(export_plan(plan, _profile(), "torchtitan"))
+    titan = json.loads(export_plan(plan, _profile(), "torchtitan", module_names="hf"))
     assert titan["parallelism"]["module_fqns_per_model_part"][0] == NAMES[:4]
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attention, self.feed_forward = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+
+class _TitanTransformer(nn.Module):
+    """The module tree of torchtitan's Llama ``Transformer``: layers in a ModuleDict."""
+
+    def __init__(self, vocab: int, dim: int, num_layers: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): _TitanBlock(dim) for i in range(num_layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+
+@pytest.mark.parametrize("sizes", [[4, 5], [1, 3, 3, 2], [2, 2, 2, 3]])
+def test_torchtitan_names_exist_in_a_torchtitan_model(sizes):
+    """Every FQN of the export resolves in a torchtitan-style model built on meta, and the
+    parts cover its top-level modules and layers once each, in order."""
+    with torch.device("meta"):
+        titan_model = _TitanTransformer(vocab=32, dim=8, num_layers=6)
+    plan = _plan(sizes)
+    parts = json.loads(export_plan(plan, _profile(), "torchtitan"))["parallelism"][
+        "module_fqns_per_model_part"]
+    for fqn in (f for part in parts for f in part):
+        titan_model.get_submodule(fqn)
+    flat = [f for part in parts for f in part]
+    assert flat == ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]
+    assert [len(part) for part in parts] == sizes
+
+
+def test_torchtitan_export_of_a_real_profile_names_modules_that_exist():
+    """tiny-llama, profiled on meta and planned for torchtitan: native names resolve in a
+    torchtitan-style model, HF names in the HF model (both built on meta)."""
+    from autopart.intake import load_model
+    from autopart.profile import profile_model
+
+    profile = profile_model("tiny-llama", backend="analytical:h100", seq_len=16)
+    plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
+                     target="torchtitan")
+    with torch.device("meta"):
+        titan_model = _TitanTransformer(vocab=512, dim=64, num_layers=4)
+    hf_model = load_model("tiny-llama").model
+    for names, model in (("native", titan_model), ("hf", hf_model)):
+        text = export_plan(plan, profile, "torchtitan", module_names=names)
+        parts = json.loads(text)["parallelism"]["module_fqns_per_model_part"]
+        assert len(parts) == 2
+        for fqn in (f for part in parts for f in part):
+            model.get_submodule(fqn)
+
+
+def test_torchtitan_names_need_an_hf_layout():
+    blocks = tuple(dataclasses.replace(b, kind="block") for b in _profile().blocks)
+    generic = dataclasses.replace(_profile(), blocks=blocks)
+    with pytest.raises(PlanError, match="has no torchtitan module.*--module-names hf"):
+        export_plan(_plan([4, 5]), generic, "torchtitan")
+    parts = json.loads(export_plan(_plan([4, 5]), generic, "torchtitan", module_names="hf"))
+    assert parts["parallelism"]["module_fqns_per_model_part"][1] == NAMES[4:]
 
 
 def test_megatron_layout():
