@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any, ClassVar
 
 from autopart.errors import AutopartError, SchemaError
 
-__all__ = ["SCHEMA_VERSION", "JsonFile", "dump_json", "load_json", "write_text"]
+__all__ = ["SCHEMA_VERSION", "JsonFile", "check_writable", "dump_json", "load_json",
+           "write_text"]
 
 SCHEMA_VERSION = 1
 
@@ -54,13 +56,50 @@ class JsonFile:
         write_text(path, self.to_json())
 
 
-def write_text(path: str | Path, text: str) -> None:
-    """Write a user-named output file; an unwritable path is one ``AutopartError`` line."""
+def check_writable(path: str | Path) -> Path:
+    """Make sure an output file can be written there, before any work is done for it.
+
+    Creates the file's folder when it is missing.
+
+    Args:
+        path: The output file a user named.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        AutopartError: ``path`` is a directory, its folder cannot be created, or the
+            folder or an existing file there is not writable.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise AutopartError(f"cannot write {p}: it is a directory; give a file path")
     try:
-        Path(path).write_text(text)
+        p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise AutopartError(f"cannot write {path}: {exc.strerror or exc}; check that its "
-                            f"folder exists and is writable") from None
+        raise AutopartError(f"cannot write {p}: cannot create its folder {p.parent} "
+                            f"({exc.strerror or exc}); choose a writable path") from None
+    if not os.access(p.parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise AutopartError(f"cannot write {p}: permission denied; choose a writable path")
+    return p
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a user-named output file, creating its folder.
+
+    Args:
+        path: The file to write.
+        text: Its content.
+
+    Raises:
+        AutopartError: The file cannot be written (one line, with the reason).
+    """
+    p = check_writable(path)
+    try:
+        p.write_text(text)
+    except OSError as exc:
+        raise AutopartError(f"cannot write {p}: {exc.strerror or exc}; choose a writable "
+                            f"path") from None
 
 
 def dump_json(obj: Any) -> str:
@@ -94,7 +133,13 @@ def _read(path: str | Path, what: str) -> str:
         raise SchemaError(f"{p} is a directory; give the path of the {what} JSON file")
     if not p.is_file():
         raise SchemaError(f"{what} file {p} does not exist; check the path")
-    return p.read_text()
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SchemaError(f"cannot read {what} file {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SchemaError(f"{p} is not a text file, so not a {what} JSON file; check the "
+                          f"path") from None
 
 
 def _to_plain(obj: Any) -> Any:

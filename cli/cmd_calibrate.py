@@ -11,6 +11,7 @@ import argparse
 
 from rich.console import Console
 
+from autopart.jsonio import check_writable
 from autopart.schema import Plan, Profile
 from autopart.verify import RunReport, calibrate_profile
 
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate and write the profile; print the factors."""
+    check_writable(args.out)
     profile = Profile.load(args.profile)
     report = RunReport.load(args.report)
     calibrated = calibrate_profile(profile, report, Plan.load(args.plan) if args.plan else None,

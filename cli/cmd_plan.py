@@ -16,6 +16,7 @@ from rich.table import Table
 
 from autopart.errors import PlanError
 from autopart.export import FORMATS, MODULE_NAMES, export_plan
+from autopart.jsonio import check_writable
 from autopart.profile import load_device_spec, parse_backend
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
@@ -68,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, then print in the requested format."""
+    for path in (args.out, args.trace):
+        if path:
+            check_writable(path)
     profile = Profile.load(args.profile)
     plan = make_plan(profile, **_plan_kwargs(args, profile))
     if args.out:

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from autopart.errors import ProfileError
+from autopart.jsonio import check_writable
 from autopart.profile import list_devices, profile_model
 from autopart.schema import Profile
 
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ProfileError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.out is not None:
+        check_writable(args.out)  # before profiling, not after
     err = Console(stderr=True)
     with Progress(TextColumn("[bold]profiling[/] {task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=err,
@@ -69,7 +72,6 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
             num_repeats=args.repeats, layer_classes=args.layer_class, progress=progress)
     out = args.out or Path.cwd() / default_filename(profile)
-    out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     if args.json:
         sys.stdout.write(profile.to_json())

@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 
 from autopart.errors import PlanError
+from autopart.jsonio import check_writable
 from autopart.schema import Plan
 from autopart.simulate import render_timeline, simulate_plan, write_trace
 
@@ -30,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     """Simulate the plan and print the timeline."""
     if args.width < 10:
         raise PlanError(f"--width must be at least 10 characters, got {args.width}")
+    if args.trace:
+        check_writable(args.trace)
     plan = Plan.load(args.plan)
     result = simulate_plan(plan)
     console = Console(width=None if sys.stdout.isatty() else args.width + 20)

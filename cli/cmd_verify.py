@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopart.errors import RuntimeSetupError
+from autopart.jsonio import check_writable
 from autopart.schema import Plan, Profile
 from autopart.simulate import simulate_plan
 from autopart.verify import (
@@ -60,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     """Verify, print the comparison, write the requested files."""
     if bool(args.profile) != bool(args.calibrated_profile):
         raise RuntimeSetupError("--profile and --calibrated-profile go together; give both")
+    for path in (args.json, args.trace, args.calibrated_profile):
+        if path:
+            check_writable(path)  # before the run, not after
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile) if args.profile else None
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // plan.pp_size)

@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the library did not foresee: still one line
+        if args.debug:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"autopart {args.command}: error: {exc.strerror or exc}{where}; check the paths "
+              f"given", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("autopart: interrupted", file=sys.stderr)
         return 130

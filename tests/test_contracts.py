@@ -218,11 +218,14 @@ def test_profile_values_are_checked(mutate, message):
         Profile.from_json(json.dumps(data), "p.json")
 
 
-def test_unwritable_output_is_one_error(tmp_path):
+def test_output_folders_are_created_and_unwritable_outputs_are_one_error(tmp_path):
     from autopart.errors import AutopartError
 
-    with pytest.raises(AutopartError, match="cannot write .*check that its folder exists"):
-        _profile().save(tmp_path / "missing" / "p.json")
+    _profile().save(tmp_path / "new" / "folder" / "p.json")
+    assert Profile.load(tmp_path / "new" / "folder" / "p.json") == _profile()
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(AutopartError, match="cannot write .*cannot create its folder"):
+        _profile().save(tmp_path / "a_file" / "p.json")
 
 
 def test_negative_link_latency_is_rejected():
