@@ -24,6 +24,7 @@ from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
 
 from ._format import gib, parse_bytes, summarize_modules
+from ._progress import progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         if path:
             check_writable(path)
     profile = Profile.load(args.profile)
-    plan = make_plan(profile, **_plan_kwargs(args, profile))
+    kwargs = _plan_kwargs(args, profile)
+    with progress_bar("searching") as progress:
+        plan = make_plan(profile, progress=progress, **kwargs)
     if args.out:
         plan.save(args.out)
     if args.trace:

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from autopart.errors import ProfileError
 from autopart.jsonio import check_writable
 from autopart.profile import list_devices, profile_model
 from autopart.schema import Profile
+
+from ._progress import progress_bar
 
 _MIB = 1024 * 1024
 
@@ -58,15 +59,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.out is not None:
         check_writable(args.out)  # before profiling, not after
-    err = Console(stderr=True)
-    with Progress(TextColumn("[bold]profiling[/] {task.description}"), BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                  transient=True, disable=not err.is_terminal) as bar:
-        task_id = bar.add_task(args.model, total=None)
-
-        def progress(done: int, total: int, name: str) -> None:
-            bar.update(task_id, completed=done, total=total, description=name)
-
+    with progress_bar("profiling") as progress:
         profile = profile_model(
             args.model, backend=args.backend, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
@@ -80,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if not console.is_terminal:
             console = Console(width=160)
         console.print(summary_table(profile))
-    err.print(f"wrote {out}", soft_wrap=True, highlight=False)
+    Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
 
 

@@ -30,6 +30,7 @@ from autopart.verify import (
 )
 
 from ._format import gib
+from ._progress import progress_bar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // plan.pp_size)
     settings = RunSettings(model=args.model, steps=args.steps, warmup=args.warmup,
                            threads_per_rank=threads, timeout_s=args.timeout)
-    report = verify_plan(plan, settings, nproc=args.nproc)
+    with progress_bar("verifying") as progress:
+        report = verify_plan(plan, settings, nproc=args.nproc, progress=progress)
     if report is None:  # a non-zero rank under torchrun
         return 0
     console = Console(width=None if sys.stdout.isatty() else 140)

@@ -172,6 +172,14 @@ def test_make_plan_global_batch_size_picks_a_divisor():
     assert 8 % plan.num_microbatches == 0 and plan.num_microbatches >= 4
 
 
+
+def test_make_plan_reports_progress_per_configuration():
+    """1F1B, pp 2, batch 4: m is 2 or 4 (divisors >= pp), then the local search step."""
+    calls = []
+    make_plan(llama_like(4), pp_size=2, global_batch_size=4, schedule="1f1b",
+              progress=lambda *update: calls.append(update))
+    assert calls == [(1, 3, "1f1b v=1 m=2"), (2, 3, "1f1b v=1 m=4"), (3, 3, "local search")]
+
 def test_memory_limit_gives_rank0_fewer_layers_and_says_why():
     """Under 1F1B rank 0 holds 4 microbatches, rank 3 one: even puts 2 layers on each."""
     profile = llama_like(8, act_bytes=GIB, head_act_bytes=GIB // 4)

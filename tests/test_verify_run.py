@@ -13,7 +13,8 @@ import pytest
 
 from autopart.profile import profile_model
 from autopart.solve import make_plan
-from autopart.verify import RunReport
+from autopart.verify import RunReport, verify_plan
+from cli import cmd_verify
 from cli.main import main
 
 
@@ -38,8 +39,17 @@ def _one_line_error(capsys) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_two_rank_run_reports_every_stage(files, capsys):
+def test_two_rank_run_reports_every_stage(files, capsys, monkeypatch):
     root = files["root"]
+    updates = []
+
+    def recording_verify_plan(*args, progress, **kwargs):
+        def relay(*update):
+            updates.append(update)
+            progress(*update)
+        return verify_plan(*args, progress=relay, **kwargs)
+
+    monkeypatch.setattr(cmd_verify, "verify_plan", recording_verify_plan)
     args = ["verify", str(files["plan"]), "--model", "tiny-llama", "--steps", "2", "--warmup",
             "1", "--threads-per-rank", "1", "--timeout", "120", "--json", str(root / "run.json"),
             "--trace", str(root / "trace.json"), "--profile", str(files["profile"]),
@@ -47,6 +57,9 @@ def test_two_rank_run_reports_every_stage(files, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "step: predicted" in out and "memory measured as" in out
+    # rank 0's progress, relayed to this process: built, 1 warm-up + 2 steps, memory step
+    assert updates == [(1, 5, "stages built"), (2, 5, "warm-up step 1/1"),
+                       (3, 5, "step 1/2"), (4, 5, "step 2/2"), (5, 5, "memory step")]
     report = RunReport.load(root / "run.json")
     assert [s.index for s in report.stages] == [0, 1] and report.steps == 2
     assert report.measured_step_ms > 0 and report.predicted_step_ms > 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,7 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
               allow_recompute: bool = True, ilp_backend: str = "auto",
               ilp_time_limit_s: float | None = None, cut_kinds: Sequence[str] | None = None,
               refine_evals: int = 300, target: str | None = None,
+              progress: Callable[[int, int, str], None] | None = None,
               **setup_fields: Any) -> Plan:
     """Plan the pipeline of ``profile`` on ``pp_size`` ranks.
 
@@ -91,8 +92,9 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     local search's simulations per refined candidate (0 turns it off). ``ilp_time_limit_s``
     defaults to 60 s per ILP with ``solver="ilp"`` and 5 s with ``"auto"``.
     ``setup_fields`` go to ``TrainingSetup`` (optimizer, dtypes, link figures, ...).
-    Raises ``PlanError`` for bad settings and ``InfeasibleError`` (with the memory
-    that would fit) when nothing fits.
+    ``progress(done, total, what)`` is called after each (schedule, v, m) is searched
+    and once more after the local search. Raises ``PlanError`` for bad settings and
+    ``InfeasibleError`` (with the memory that would fit) when nothing fits.
     """
     if target is not None:
         rules = planning_constraints(target)
@@ -108,15 +110,19 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     num_units = min(setting.chain.num_blocks for setting in settings.values())
     configs = _configs(num_units, pp_size, schedule, virtual_stages, sorted(settings))
     found: list[tuple[Evaluated, dict]] = []
-    for name, num_virtual, m in configs:
+    for done, (name, num_virtual, m) in enumerate(configs, 1):
         found += _propose(settings[m], name, pp_size, num_virtual, m, partition, solver,
                           allow_recompute, ilp_backend, ilp_time_limit_s)
+        if progress is not None:
+            progress(done, len(configs) + 1, f"{name} v={num_virtual} m={m}")
     fitting = [item for item in found if item[0].fits]
     if not fitting:
         raise _explain.infeasible(settings, configs, found, pp_size, memory_limit_bytes,
                                   partition, allow_recompute)
     if partition == "optimal" and refine_evals > 0:
         fitting = _refined(settings, fitting, refine_evals)
+    if progress is not None:
+        progress(len(configs) + 1, len(configs) + 1, "local search")
     best, solver_info = min(fitting, key=lambda item: _rank_key(item[0]))
     setting = settings[best.num_microbatches]
     baselines = _baselines(setting, best)

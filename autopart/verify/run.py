@@ -26,7 +26,7 @@ from autopart.errors import AutopartError, RuntimeSetupError
 from autopart.schema import Plan
 from autopart.verify.build import build_report
 from autopart.verify.report import RunReport
-from autopart.verify.worker import RunSettings, run_rank
+from autopart.verify.worker import ProgressFn, RunSettings, run_rank
 
 __all__ = ["verify_plan"]
 
@@ -34,12 +34,24 @@ logger = logging.getLogger(__name__)
 
 
 def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
-                nproc: int | None = None) -> RunReport | None:
-    """Run ``plan`` on ``settings.model`` and return the ``RunReport`` (``None`` off rank 0).
+                nproc: int | None = None, progress: ProgressFn | None = None
+                ) -> RunReport | None:
+    """Run ``plan`` for real and compare it with its prediction.
 
-    ``nproc`` defaults to the plan's ``pp_size`` and must equal it. Raises
-    ``AutopartError`` subclasses (one line) for a missing plan, a world size that is
-    not the plan's, a model the plan was not made for, or a rank failing that way.
+    Args:
+        plan: The plan, or the path of its JSON file.
+        settings: The model and how to run it (steps, warm-up, threads, timeout).
+        nproc: Ranks to spawn; defaults to the plan's ``pp_size`` and must equal it.
+        progress: ``progress(done, total, what)`` after the ranks have built their
+            stages, after every step and after the memory step (pipeline rank 0's
+            view), in this process.
+
+    Returns:
+        The ``RunReport``; ``None`` on ranks other than 0 under torchrun.
+
+    Raises:
+        AutopartError: One line, for a missing plan, a world size that is not the
+            plan's, a model the plan was not made for, or a rank failing that way.
     """
     plan_obj = plan if isinstance(plan, Plan) else Plan.load(plan)
     in_place = "WORLD_SIZE" in os.environ and "RANK" in os.environ
@@ -51,8 +63,8 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
                                 f"run {plan_obj.pp_size} ranks")
     check_model_matches(plan_obj, settings.model)
     if in_place:
-        return _run_in_place(plan_obj, settings)
-    return _spawn(plan_obj, settings, world)
+        return _run_in_place(plan_obj, settings, progress)
+    return _spawn(plan_obj, settings, world, progress)
 
 
 def check_model_matches(plan: Plan, model: str) -> None:
@@ -71,11 +83,12 @@ def check_model_matches(plan: Plan, model: str) -> None:
     plan.check_model(discover_blocks(load_model(model).model).fingerprint, repr(model))
 
 
-def _run_in_place(plan: Plan, settings: RunSettings) -> RunReport | None:
+def _run_in_place(plan: Plan, settings: RunSettings,
+                  progress: ProgressFn | None) -> RunReport | None:
     device = _device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
     if not dist.is_initialized():
         dist.init_process_group(_backend(device), timeout=timedelta(seconds=settings.timeout_s))
-    result = run_rank(plan, settings, device)
+    result = run_rank(plan, settings, device, progress)
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(result, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
@@ -83,16 +96,29 @@ def _run_in_place(plan: Plan, settings: RunSettings) -> RunReport | None:
     return build_report(plan, settings, gathered)
 
 
-def _spawn(plan: Plan, settings: RunSettings, world: int) -> RunReport:
+def _spawn(plan: Plan, settings: RunSettings, world: int,
+           progress: ProgressFn | None) -> RunReport:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
+
+    # Rank 0 sends (done, total, what) here; this process passes them to ``progress``.
+    queue = mp.get_context("spawn").SimpleQueue()
+
+    def relay() -> None:
+        while not queue.empty():
+            update = queue.get()
+            if progress is not None:
+                progress(*update)
 
     with tempfile.TemporaryDirectory(prefix="autopart-verify-") as tmp:
         plan_path = Path(tmp) / "plan.json"
         plan.save(plan_path)
         try:
-            mp.spawn(_spawned_rank, args=(world, _free_port(), str(plan_path), settings, tmp),
-                     nprocs=world, join=True)
+            context = mp.spawn(_spawned_rank, nprocs=world, join=False, args=(
+                world, _free_port(), str(plan_path), settings, tmp, queue))
+            while not context.join(timeout=0.2):
+                relay()
+            relay()
         except ProcessException as exc:  # a rank failed: show its own one-line error
             raise _rank_error(Path(tmp), exc) from None
         # Written by rank 0 of this very run: RankResult records, pickled.
@@ -101,7 +127,7 @@ def _spawn(plan: Plan, settings: RunSettings, world: int) -> RunReport:
 
 
 def _spawned_rank(rank: int, world: int, port: int, plan_path: str, settings: RunSettings,
-                  tmp: str) -> None:
+                  tmp: str, queue: Any) -> None:
     """Entry point of a spawned rank: set up the group, run, rank 0 writes all results."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -109,7 +135,8 @@ def _spawned_rank(rank: int, world: int, port: int, plan_path: str, settings: Ru
     try:
         dist.init_process_group(_backend(device), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=settings.timeout_s))
-        result = run_rank(Plan.load(plan_path), settings, device)
+        result = run_rank(Plan.load(plan_path), settings, device,
+                          lambda *update: queue.put(update))
         gathered: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(result, gathered if rank == 0 else None, dst=0)
         if rank == 0:

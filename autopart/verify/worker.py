@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,10 @@ from autopart.verify.instrument import StepRecorder
 from autopart.verify.memory import CPU_METHOD, CUDA_METHOD, measure_step_memory
 from autopart.verify.report import MeasuredMemory
 
-__all__ = ["RankResult", "RunSettings", "Span", "run_rank"]
+__all__ = ["ProgressFn", "RankResult", "RunSettings", "Span", "run_rank"]
+
+ProgressFn = Callable[[int, int, str], None]
+"""``progress(done, total, what)``: ``done`` of ``total`` units finished, the last ``what``."""
 
 Span = tuple[str, int, int, float, float]
 """One timed action: kind (``F``, ``LOSS``, ``B``, ``BW``, ``W``, ``WAIT``), stage index,
@@ -89,13 +93,16 @@ class RankResult:
     """torch's thread count in this rank."""
 
 
-def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> RankResult:
+def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
+             progress: ProgressFn | None = None) -> RankResult:
     """Run the plan on this rank and measure it (see the module docstring).
 
     Args:
         plan: The plan to run; this rank builds only its own stages.
         settings: Steps, warm-up, threads and seed.
         device: This rank's device.
+        progress: Called on pipeline rank 0 only, as ``progress(done, total, what)``
+            after the stages are built, after every step, and after the memory step.
 
     Returns:
         This rank's measurements.
@@ -116,6 +123,14 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> RankRes
                                 settings.lr)
     ids = _synthetic_ids(plan, pipe.config.vocab_size, settings.seed)
     ids = ids.to(device)
+    num_steps = settings.warmup + settings.steps
+    total = num_steps + 2
+
+    def report(done: int, what: str) -> None:
+        if progress is not None and pipe.groups.pp_rank == 0:
+            progress(done, total, what)
+
+    report(1, "stages built")
 
     def run_step() -> None:
         pipe.step(ids, target=ids)
@@ -123,14 +138,18 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device) -> RankRes
     recorder = StepRecorder(device).attach(pipe)
     step_ms, optimizer_ms, cpu_ms = [], [], []
     try:
-        for _ in range(settings.warmup + settings.steps):
-            total, opt, cpu = _timed_step(run_step, pipe, optimizer, recorder, device)
-            step_ms.append(total)
+        for step in range(num_steps):
+            ms, opt, cpu = _timed_step(run_step, pipe, optimizer, recorder, device)
+            step_ms.append(ms)
             optimizer_ms.append(opt)
             cpu_ms.append(cpu)
+            report(2 + step, f"warm-up step {step + 1}/{settings.warmup}"
+                   if step < settings.warmup else
+                   f"step {step + 1 - settings.warmup}/{settings.steps}")
         recorder.enabled = False
         _zero_grad(pipe, optimizer)
         memory = measure_step_memory(run_step, pipe, optimizer, device)
+        report(total, "memory step")
     finally:
         recorder.detach()
     timed = slice(settings.warmup, None)
