@@ -7,9 +7,12 @@ each device's memory, and run that plan on ``torch.distributed.pipelining``::
     profile = autopart.profile_model("llama-3-8b", backend="analytical:h100", seq_len=4096)
     plan = autopart.make_plan(profile, pp_size=8, num_microbatches=32,
                               memory_limit_bytes=80 * 2**30)
-    model = autopart.auto_pipeline("llama-3-8b", plan=plan, loss_fn=None)  # under torchrun
+    model = autopart.auto_pipeline("llama-3-8b", plan=plan)  # under torchrun
 
-Heavy submodules (torch, transformers, pulp) load on first use of a name below.
+The names below are the public API, one per step of that flow; each phase's
+package (``autopart.profile``, ``autopart.solve``, ...) exports a few more for
+tools that want one piece. Heavy submodules (torch, transformers, pulp) load on
+first use of a name.
 """
 
 from __future__ import annotations
@@ -17,62 +20,43 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from autopart.errors import (
-    AutopartError,
-    InfeasibleError,
-    ModelSourceError,
-    PlanError,
-    ProfileError,
-    RuntimeSetupError,
-    SchemaError,
-)
-from autopart.schema import BlockProfile, Plan, Profile, TrainingSetup
+from autopart.errors import AutopartError, InfeasibleError
+from autopart.schema import Plan, Profile
 
 __version__ = "0.1.0"
 
 # Public entry points, by the module that defines them; loaded lazily.
 _LAZY = {
-    "load_model": "autopart.intake",
-    "discover_blocks": "autopart.intake",
-    "list_presets": "autopart.intake",
     "profile_model": "autopart.profile",
-    "load_device_spec": "autopart.profile",
-    "list_devices": "autopart.profile",
-    "simulate": "autopart.simulate",
     "make_plan": "autopart.solve",
     "export_plan": "autopart.export",
+    "simulate_plan": "autopart.simulate",
     "auto_pipeline": "autopart.runtime",
-    "PipelinedModel": "autopart.runtime",
     "save_checkpoint": "autopart.runtime",
     "load_checkpoint": "autopart.runtime",
+    "verify_plan": "autopart.verify",
+    "RunSettings": "autopart.verify",
+    "calibrate_profile": "autopart.verify",
 }
 
+# The public API: profile -> plan -> export or simulate -> train -> verify -> calibrate,
+# the two data files, and the errors a caller tells apart (all are AutopartError).
 __all__ = [
     "AutopartError",
-    "BlockProfile",
     "InfeasibleError",
-    "ModelSourceError",
-    "PipelinedModel",
     "Plan",
-    "PlanError",
     "Profile",
-    "ProfileError",
-    "RuntimeSetupError",
-    "SchemaError",
-    "TrainingSetup",
+    "RunSettings",
     "__version__",
     "auto_pipeline",
-    "discover_blocks",
+    "calibrate_profile",
     "export_plan",
-    "list_devices",
-    "list_presets",
     "load_checkpoint",
-    "load_device_spec",
-    "load_model",
     "make_plan",
     "profile_model",
     "save_checkpoint",
-    "simulate",
+    "simulate_plan",
+    "verify_plan",
 ]
 assert set(_LAZY) <= set(__all__)
 
@@ -83,3 +67,4 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'autopart' has no attribute {name!r}")
+

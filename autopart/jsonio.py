@@ -37,22 +37,60 @@ class JsonFile:
     _json_version: ClassVar[int] = SCHEMA_VERSION
 
     def to_json(self) -> str:
-        """Serialize to canonical JSON text."""
+        """Serialize to JSON text.
+
+        Returns:
+            Canonical JSON: sorted keys, indent 2, a trailing newline.
+
+        Raises:
+            SchemaError: A value is NaN, which JSON cannot hold.
+        """
         return dump_json(_to_plain(self))
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> Any:
-        """Parse JSON text; ``source`` names the file in error messages."""
+        """Parse JSON text written by ``to_json``.
+
+        Args:
+            text: The JSON text.
+            source: What to call it in error messages (a file name).
+
+        Returns:
+            The object, of this class.
+
+        Raises:
+            SchemaError: The text is not JSON, has another ``schema_version``, lacks a
+                key or holds a value of the wrong type (one line naming ``source``, the
+                key and the command that regenerates the file).
+        """
         return _from_json_text(cls, text, source, cls._json_what, cls._json_remedy,
                                cls._json_version)
 
     @classmethod
     def load(cls, path: str | Path) -> Any:
-        """Read the JSON file at ``path``."""
+        """Read the JSON file at ``path``.
+
+        Args:
+            path: A file written by ``save`` (or the command that writes this kind).
+
+        Returns:
+            The object, of this class.
+
+        Raises:
+            SchemaError: As ``from_json``, or ``path`` is missing, a directory or
+                unreadable.
+        """
         return cls.from_json(_read(path, cls._json_what), str(path))
 
     def save(self, path: str | Path) -> None:
-        """Write this object as JSON to ``path``."""
+        """Write this object as JSON to ``path``, creating its folder.
+
+        Args:
+            path: The file to write.
+
+        Raises:
+            AutopartError: The file cannot be written (``SchemaError`` for a NaN value).
+        """
         write_text(path, self.to_json())
 
 

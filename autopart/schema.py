@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopart.errors import RuntimeSetupError, SchemaError
-from autopart.jsonio import SCHEMA_VERSION, JsonFile, dump_json, load_json
+from autopart.jsonio import SCHEMA_VERSION, JsonFile
 
 __all__ = [
-    "SCHEMA_VERSION",
     "BaselineResult",
     "BlockProfile",
     "ModelInfo",
@@ -25,8 +24,6 @@ __all__ = [
     "SolverInfo",
     "StagePlan",
     "TrainingSetup",
-    "dump_json",
-    "load_json",
 ]
 
 BLOCK_KINDS = ("embedding", "decoder_layer", "norm", "head", "block")
@@ -357,5 +354,12 @@ class Plan(JsonFile):
                 f"{model} again")
 
     def stages_of_rank(self, rank: int) -> list[StagePlan]:
-        """The stages ``rank`` holds, in stage order."""
+        """The stages one rank holds.
+
+        Args:
+            rank: A pipeline rank, ``0 .. pp_size - 1``.
+
+        Returns:
+            Its stages, in stage order (empty for a rank outside the plan).
+        """
         return [s for s in self.stages if s.rank == rank]

@@ -14,7 +14,8 @@ from solve_helpers import GIB, brute_force, chain_of, llama_like, make_block, ma
 
 from autopart.errors import InfeasibleError, PlanError
 from autopart.schema import Plan
-from autopart.solve import baseline_split, make_plan, min_fitting_limit, solve_dp, solve_ilp
+from autopart.solve import baseline_split, make_plan, solve_dp, solve_ilp
+from autopart.solve.dp import min_fitting_limit
 
 
 def _timed_chain(times, **block_fields):
@@ -124,6 +125,11 @@ def test_baselines_on_plain_blocks():
     blocks = [make_block(f"b{i}", num_params=w) for i, w in enumerate([5, 1, 1, 1, 9, 1, 1])]
     assert baseline_split("even", blocks, 3) == [(0, 3), (3, 5), (5, 7)]
     assert baseline_split("params", blocks, 3) == [(0, 4), (4, 5), (5, 7)]
+
+
+def test_unknown_baseline_names_the_choices():
+    with pytest.raises(ValueError, match="unknown baseline 'random'; choose one of even, params"):
+        baseline_split("random", llama_like(2).blocks, 2)
 
 
 def _covers_every_block_once(plan: Plan, num_blocks: int) -> None:

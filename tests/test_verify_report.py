@@ -14,14 +14,10 @@ import pytest
 from autopart.errors import SchemaError
 from autopart.simulate import simulate_plan
 from autopart.solve import make_plan
-from autopart.verify import (
-    RunReport,
-    RunSettings,
-    calibrate_profile,
-    comparison_trace,
-)
+from autopart.verify import RunReport, RunSettings, calibrate_profile
 from autopart.verify.build import build_report
 from autopart.verify.report import MeasuredMemory
+from autopart.verify.trace import comparison_trace
 from autopart.verify.worker import RankResult
 from cli.main import main
 from tests.solve_helpers import llama_like
@@ -177,8 +173,8 @@ def test_calibrate_command(profile, plan, report, tmp_path, capsys):
 
 def test_live_peak_keeps_an_earlier_storage_at_a_gradient_address():
     """Address 1 holds a 5-byte temporary, then (freed) a gradient: only the gradient goes."""
-    from autopart.verify.memory import _peak_without_last
+    from autopart.verify.memory import peak_without_last
 
     events = [(1, 5), (2, 3), (1, -5), (1, 7), (2, -3)]
-    assert _peak_without_last(events, {1}) == 8
-    assert _peak_without_last(events, set()) == 10
+    assert peak_without_last(events, {1}) == 8
+    assert peak_without_last(events, set()) == 10

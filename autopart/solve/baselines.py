@@ -117,7 +117,23 @@ BASELINES = {"even": even_split, "params": params_split, "torchtitan": torchtita
 
 def baseline_split(name: str, blocks: Sequence[BlockProfile], num_stages: int
                    ) -> list[tuple[int, int]]:
-    """The split ``name`` (one of ``BASELINES``) makes of ``blocks``."""
+    """The split a public tool would make of ``blocks``.
+
+    Args:
+        name: ``even`` (decoder layers evenly, NxD / NeMo / Megatron), ``params``
+            (parameter counts balanced, DeepSpeed) or ``torchtitan``.
+        blocks: The profile's blocks, in order.
+        num_stages: Stages to cut.
+
+    Returns:
+        One ``(start, stop)`` block range per stage.
+
+    Raises:
+        ValueError: ``name`` is not a baseline, or ``num_stages`` is not in
+            ``1..len(blocks)``.
+    """
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
     if not 1 <= num_stages <= len(blocks):
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{len(blocks)}")
     return BASELINES[name](blocks, num_stages)

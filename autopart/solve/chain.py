@@ -37,7 +37,7 @@ _REL_TOL = 1e-9
 """Stage times within this relative tolerance of a bound count as meeting it."""
 
 
-def _range_table(values: np.ndarray, op: np.ufunc, max_span: int | None = None) -> np.ndarray:
+def range_table(values: np.ndarray, op: np.ufunc, max_span: int | None = None) -> np.ndarray:
     """Sparse table: row ``k`` holds ``op`` over ``values[x : x + 2**k]`` (padded).
 
     Queries may span at most ``max_span`` values (default: all of them).
@@ -188,8 +188,8 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
         static_prefix=arrays.prefix_static.astype(np.int64),
         act_prefix=(arrays.prefix_activation.astype(np.int64),
                     arrays.prefix_input_of_block.astype(np.int64)),
-        transient_table=(_range_table(arrays.transient_bytes.astype(np.float64), np.maximum),
-                         _range_table(arrays.activation_bytes.astype(np.float64),
+        transient_table=(range_table(arrays.transient_bytes.astype(np.float64), np.maximum),
+                         range_table(arrays.activation_bytes.astype(np.float64),
                                       np.maximum)),
-        out_table=_range_table(cut_out, np.maximum),
+        out_table=range_table(cut_out, np.maximum),
     )

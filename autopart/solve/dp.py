@@ -1,6 +1,6 @@
 """Exact dynamic programming for contiguous pipeline stages over a block chain.
 
-Objective (``time``/``memory`` as in ``autopart.solve._chain``): split the ``n``
+Objective (``time``/``memory`` as in ``autopart.solve.chain``): split the ``n``
 blocks into ``S`` contiguous, non-empty stages ``[i_s, j_s)``, each with a recompute
 flag ``r_s``, to minimize
 
@@ -19,7 +19,7 @@ bottleneck bound ``B`` let ``g(B) = min X`` over plans with every ``time_s <= B`
 2. ``g(B)`` is a min-sum DP: ``f_s[j] = comm(j) + min(min_{i in W0} f_{s-1}[i],
    F[j] + min_{i in W1} (f_{s-1}[i] - F[i]))`` where the windows ``W_r = [lo_r(j),
    j-1]`` hold the starts whose stage meets ``B`` and the memory limit (a window
-   because time and memory only shrink as the start moves right; see _chain).
+   because time and memory only shrink as the start moves right; see ``chain``).
    Window minima come from sparse tables: O(S * n log n) vectorized.
 3. Exactness: let ``P*`` be optimal and ``B' = max time_s(P*)``, a stage time
    ``>= B*``. ``g(B') <= X(P*)``, so ``w*B' + C + g(B') <= obj(P*)``, and the DP's
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.solve.chain import Chain, _range_table, range_query
+from autopart.solve.chain import Chain, range_query, range_table
 
 __all__ = ["DPSolution", "plan_objective", "solve_dp"]
 
@@ -109,7 +109,7 @@ def _window_min(values: np.ndarray, lo: np.ndarray) -> np.ndarray:
     empty = lo >= ends
     start = np.where(empty, np.maximum(ends - 1, 0), lo)
     stop = np.maximum(ends, 1)
-    table = _range_table(values, np.minimum, int((stop - start).max()))
+    table = range_table(values, np.minimum, int((stop - start).max()))
     return np.where(empty, np.inf, range_query(table, np.minimum, start, stop))
 
 
@@ -183,10 +183,23 @@ def _cheapest_cuts(chain: Chain, num_stages: int) -> float:
 def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
              limits_bytes: Sequence[float | None], weight: float,
              allow_recompute: bool = True) -> DPSolution | None:
-    """Minimize objective (1) exactly; ``None`` when no split fits the memory limits.
+    """Split ``chain`` into contiguous stages minimizing objective (1) exactly.
 
-    ``in_flight[s]`` and ``limits_bytes[s]`` are stage ``s``'s in-flight microbatches
-    and memory limit (``None``: unlimited). ``weight`` is ``w`` in (1).
+    Args:
+        chain: The blocks' costs under one training setup (``autopart.solve.chain``).
+        num_stages: Stages to cut, ``pp * v``.
+        in_flight: Per stage, the microbatches of activations it holds at its peak.
+        limits_bytes: Per stage, its memory limit (``None``: unlimited).
+        weight: ``w`` in (1); ``num_microbatches - 1`` gives the 1F1B step time.
+        allow_recompute: Let a stage recompute its forward to fit its limit.
+
+    Returns:
+        The optimal split with its recompute flags, objective and bottleneck, or
+        ``None`` when no split fits the limits.
+
+    Raises:
+        ValueError: ``num_stages`` is not in ``1..chain.num_blocks``, or ``in_flight``
+            / ``limits_bytes`` do not have one entry per stage.
     """
     n = chain.num_blocks
     if not 1 <= num_stages <= n:

@@ -1,6 +1,6 @@
 """Integer program (PuLP) for placements where a rank holds several stages.
 
-Same stage ``time`` and ``memory`` terms as ``autopart.solve._chain``, but summed
+Same stage ``time`` and ``memory`` terms as ``autopart.solve.chain``, but summed
 per rank exactly: rank ``r`` holds stages ``{s : stage_to_rank(s) = r}`` and
 
     minimize   (m - 1) * max_r R_r  +  (1 / v) * sum_s time_s,   R_r = sum_{s on r} time_s
@@ -86,11 +86,29 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
               num_microbatches: int, limit_bytes: float | None = None,
               allow_recompute: bool = True, backend: str = "auto",
               time_limit_s: float = 60.0) -> ILPSolution | None:
-    """Solve the rank-level program; ``None`` when no split fits ``limit_bytes``.
+    """Split ``chain`` into stages minimizing the rank-level step time (PuLP).
 
-    ``stage_ranks[s]`` is the rank of stage ``s`` (``autopart.schedules.stage_to_rank``),
-    ``in_flight[s]`` its in-flight microbatches. ``backend``: ``auto`` (HiGHS when
-    highspy is installed, else CBC), ``highs`` or ``cbc``.
+    Unlike ``solve_dp``, which bounds the slowest stage, this sums each rank's
+    stages, so it is exact for ``v > 1``: ``(m - 1) * max_rank sum + sum / v``.
+
+    Args:
+        chain: The blocks' costs under one training setup (``autopart.solve.chain``).
+        stage_ranks: Per stage, its rank (``autopart.schedules.stage_to_rank``).
+        in_flight: Per stage, the microbatches of activations it holds at its peak.
+        num_microbatches: ``m``.
+        limit_bytes: Each rank's memory limit (``None``: unlimited).
+        allow_recompute: Let a stage recompute its forward to fit the limit.
+        backend: ``auto`` (HiGHS when highspy is installed, else CBC), ``highs`` or
+            ``cbc``.
+        time_limit_s: Solver time limit; when hit, the best split found is returned
+            with status ``time_limit`` and its gap.
+
+    Returns:
+        The split with its recompute flags, objective, status and gap, or ``None``
+        when no split fits ``limit_bytes``.
+
+    Raises:
+        ValueError: More stages than blocks, or an unknown ``backend``.
     """
     import pulp
 

@@ -8,20 +8,11 @@ and p2p wait, measures per-rank peak memory and returns a ``RunReport``;
 """
 
 from autopart.verify.calibrate import calibrate_profile
-from autopart.verify.report import RankReport, RunReport, StageReport
-from autopart.verify.run import check_model_matches, verify_plan
-from autopart.verify.trace import comparison_trace, write_comparison_trace
+from autopart.verify.report import RunReport
+from autopart.verify.run import verify_plan
+from autopart.verify.trace import write_comparison_trace
 from autopart.verify.worker import RunSettings
 
 # Public entry points of the verify phase; everything else is internal.
-__all__ = [
-    "RankReport",
-    "RunReport",
-    "RunSettings",
-    "StageReport",
-    "calibrate_profile",
-    "check_model_matches",
-    "comparison_trace",
-    "verify_plan",
-    "write_comparison_trace",
-]
+__all__ = ["RunReport", "RunSettings", "calibrate_profile", "verify_plan",
+           "write_comparison_trace"]

@@ -21,12 +21,25 @@ __all__ = ["calibrate_profile"]
 
 def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = None,
                       source: str = "") -> Profile:
-    """A copy of ``profile`` whose block times are scaled to the measured stage times.
+    """Fold a verify run's measured stage times back into the profile.
 
-    The report must be of a plan made from this profile's model (fingerprint);
-    ``plan``, when given, must be the plan that ran (``report.plan_digest``);
-    ``source`` names the run report in the record. Raises ``SchemaError`` when they
-    do not belong together.
+    Every block of a stage has its F, B and W times scaled by that stage's measured /
+    predicted ratio, so planning again from the result predicts what was measured.
+
+    Args:
+        profile: The profile the plan was made from.
+        report: The run report of that plan (``verify_plan`` or ``autopart verify
+            --json``).
+        plan: The plan that ran; when given, checked against ``report.plan_digest``.
+        source: Names the run report (a path) in the profile's calibration record.
+
+    Returns:
+        A copy of ``profile`` with scaled block times and a ``calibration`` record that
+        chains any earlier one.
+
+    Raises:
+        SchemaError: The report is of another plan, model or sequence length, is
+            already folded into ``profile``, or names blocks ``profile`` lacks.
     """
     _check(profile, report, plan)
     index = {b.name: i for i, b in enumerate(profile.blocks)}

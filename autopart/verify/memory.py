@@ -58,12 +58,12 @@ def measure_step_memory(run_step: Callable[[], None], pipe: Any, optimizer: Any,
         "grads_bytes": _unique_bytes(grads),
         "optimizer_bytes": _unique_bytes(_optimizer_tensors(optimizer)),
         "buffer_bytes": _unique_bytes(_recv_buffers(pipe.pipe_stages)),
-        "live_peak_bytes": _peak_without_last(live.events, {storage_key(g) for g in grads}),
+        "live_peak_bytes": peak_without_last(live.events, {storage_key(g) for g in grads}),
     }
     return MeasuredMemory(peak_bytes=sum(parts.values()), **parts)
 
 
-def _peak_without_last(events: list[tuple[int, int]], keys: set[int | None]) -> int:
+def peak_without_last(events: list[tuple[int, int]], keys: set[int | None]) -> int:
     """Peak of the live bytes, leaving out the latest allocation of each key in ``keys``.
 
     Keys are storage addresses: an earlier storage freed at the address a gradient

@@ -61,13 +61,13 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
         raise RuntimeSetupError(f"{where} is {world} but the plan has pp_size "
                                 f"{plan_obj.pp_size} (data parallelism is not verified); "
                                 f"run {plan_obj.pp_size} ranks")
-    check_model_matches(plan_obj, settings.model)
+    _check_model_matches(plan_obj, settings.model)
     if in_place:
         return _run_in_place(plan_obj, settings, progress)
     return _spawn(plan_obj, settings, world, progress)
 
 
-def check_model_matches(plan: Plan, model: str) -> None:
+def _check_model_matches(plan: Plan, model: str) -> None:
     """Refuse ``model`` unless it is the model ``plan`` was made for.
 
     Args:

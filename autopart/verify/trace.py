@@ -48,7 +48,17 @@ def comparison_trace(report: RunReport, sim: SimResult) -> dict[str, Any]:
 
 
 def write_comparison_trace(report: RunReport, sim: SimResult, path: str | Path) -> None:
-    """Write ``comparison_trace(report, sim)`` as JSON to ``path``."""
+    """Write one Perfetto / chrome://tracing file of the measured and simulated steps.
+
+    Args:
+        report: The run report; its ``measured_events`` become process "measured".
+        sim: The simulation of the same plan (``simulate_plan(plan)``), shown as
+            processes "simulated" and "simulated sends".
+        path: The JSON file to write.
+
+    Raises:
+        AutopartError: ``path`` cannot be written.
+    """
     write_text(path, json.dumps(comparison_trace(report, sim)))
 
 

@@ -39,7 +39,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSettings:
-    """How to run a plan for verification."""
+    """How to run a plan for verification.
+
+    Raises ``RuntimeSetupError`` on construction for a value out of range.
+    """
 
     model: str
     """Model source (preset, HF config path, ...) as ``auto_pipeline`` takes it."""
@@ -52,7 +55,9 @@ class RunSettings:
     timeout_s: float = 300.0
     """Timeout of every collective."""
     seed: int = 0
+    """Seeds the weights' initialization and the synthetic tokens."""
     lr: float = 1e-4
+    """Learning rate of the plan's optimizer (AdamW or SGD with momentum 0.9)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:

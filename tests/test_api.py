@@ -1,0 +1,42 @@
+"""The public API: every exported name resolves, and ``import autopart`` stays light."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import autopart
+
+PACKAGES = ("autopart", "autopart.intake", "autopart.profile", "autopart.simulate",
+            "autopart.solve", "autopart.runtime", "autopart.verify")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_exported_name_resolves(package):
+    module = importlib.import_module(package)
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert missing == []
+
+
+def test_top_level_is_one_name_per_step():
+    """profile, plan, export, simulate, train (3), verify (2), calibrate; data; errors."""
+    assert sorted(autopart.__all__) == sorted([
+        "profile_model", "make_plan", "export_plan", "simulate_plan", "auto_pipeline",
+        "save_checkpoint", "load_checkpoint", "verify_plan", "RunSettings",
+        "calibrate_profile", "Plan", "Profile", "AutopartError", "InfeasibleError",
+        "__version__"])
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'evaluate_split'"):
+        _ = autopart.evaluate_split
+
+
+def test_import_autopart_loads_no_torch():
+    code = "import sys, autopart; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"]
