@@ -9,6 +9,9 @@ from torch import nn
 from autopart.errors import ProfileError
 from autopart.intake import load_model
 from autopart.profile import profile_model
+from autopart.profile.backends import Backend
+from autopart.profile.measure import measure_times
+from autopart.profile.tasks import BlockTask
 from autopart.schema import Profile
 
 FAST = {"num_warmup": 1, "num_repeats": 2, "seq_len": 16}
@@ -31,13 +34,69 @@ def test_blocks_follow_the_chain(tiny):
                                             + ["norm", "head"])
 
 
-def test_f_b_w_are_consistent(tiny):
+def test_every_block_is_timed(tiny):
     for b in tiny.blocks:
         assert b.fwd_ms > 0 and b.bwd_ms > 0, b
-        assert b.bwd_input_ms >= 0 and b.bwd_weight_ms >= 0
-        assert b.bwd_input_ms + b.bwd_weight_ms == pytest.approx(b.bwd_ms)
-    embed = tiny.blocks[0]
-    assert embed.bwd_input_ms == 0.0 and embed.bwd_weight_ms == embed.bwd_ms
+    assert tiny.blocks[0].bwd_input_ms == 0.0  # token ids have no gradient
+
+
+# --- F, B and W on a virtual clock: exact values -----------------------------------------------
+
+_CLOCK = [0.0]
+"""Virtual milliseconds: advanced only by ``_Cost``, read by ``_VirtualBackend``."""
+
+
+class _Cost(torch.autograd.Function):
+    """Identity whose forward costs ``fwd_ms`` and whose backward costs ``bwd_ms``."""
+
+    @staticmethod
+    def forward(ctx, t, fwd_ms, bwd_ms):
+        _CLOCK[0] += fwd_ms
+        ctx.bwd_ms = bwd_ms
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _CLOCK[0] += ctx.bwd_ms
+        return grad, None, None
+
+
+class _VirtualBlock(nn.Module):
+    """``x + w``: the x branch costs 1 ms forward and 3 ms backward, the w branch 1 and 5."""
+
+    def __init__(self, weight: bool = True) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4)) if weight else None
+
+    def forward(self, x):
+        out = _Cost.apply(x, 1.0, 3.0)
+        return out + _Cost.apply(self.w, 1.0, 5.0) if self.w is not None else out
+
+
+class _VirtualBackend(Backend):
+    def time(self, fn):
+        start = _CLOCK[0]
+        out = fn()
+        return _CLOCK[0] - start, out
+
+
+@pytest.mark.parametrize("weight, input_grad, expected", [
+    # F = both branches; full backward = both; B = the x branch only (autograd skips w's
+    # node when asked for x's gradient); W = full - B = the w branch.
+    (True, True, (2.0, 8.0, 3.0, 5.0)),
+    # No input gradient (an embedding's token ids): B = 0 and W = the whole backward.
+    (True, False, (2.0, 5.0, 0.0, 5.0)),
+    # No weights: the whole backward is B and W = 0.
+    (False, True, (1.0, 3.0, 3.0, 0.0)),
+])
+def test_f_b_w_on_a_virtual_clock(weight, input_grad, expected):
+    block = _VirtualBlock(weight)
+    x = torch.randn(4).requires_grad_(input_grad)
+    task = BlockTask(run=block, inputs=x, input_grad=input_grad, loss_output=False,
+                     module=block)
+    t = measure_times(task, _VirtualBackend(), num_warmup=1, num_repeats=3)
+    assert (t.fwd_ms, t.bwd_ms, t.bwd_input_ms, t.bwd_weight_ms) == expected
+    assert t.fwd_ms_spread == 0.0 and t.bwd_ms_spread == 0.0
 
 
 def test_exact_sizes(tiny):

@@ -65,8 +65,19 @@ def report(plan):
 
 def test_report_medians_and_prediction(plan, report):
     """Stage F (+ loss) and full backward are the medians of both steps; the step is the
-    median of the slowest rank's steps; predictions come from the simulator."""
-    assert report.predicted_step_ms == pytest.approx(simulate_plan(plan).step_ms)
+    median of the slowest rank's steps; the prediction is the plan's 1F1B step."""
+    # Stage 0 = embedding + 4 layers, stage 1 = norm + head (llama_like, B + W = 2 F);
+    # each send is the latency plus 1 MiB over 50 GB/s.
+    f0, f1 = 0.1 + 4 * 1.0, 0.02 + 4.0
+    b0, b1, send = 2 * f0, 2 * f1, 0.01 + 2**20 / 50e9 * 1e3
+    assert [t for s in plan.stages for t in (s.fwd_ms, s.bwd_ms)] == pytest.approx(
+        [f0, b0, f1, b1])
+    # 1F1B, pp 2, m 4. Rank 0: F F, then waits for microbatch 0's gradient (send, F1 B1,
+    # send), then B F B F; microbatch 3 goes on through rank 1 (send, F1 B1, send), then
+    # rank 0's last B.
+    critical_path = (f0 + send + f1 + b1 + send + b0 + f0 + b0 + f0
+                     + send + f1 + b1 + send + b0)
+    assert report.predicted_step_ms == pytest.approx(critical_path)  # 61.02 ms + 4 sends
     assert report.measured_step_ms == pytest.approx((100.0 + 111.0) / 2)
     for stage, scale in zip(report.stages, (2.0, 3.0)):
         planned = plan.stages[stage.index]
