@@ -110,6 +110,7 @@ def test_missing_plan_file_for_simulate(tmp_path, capsys):
     assert "does not exist" in _one_line_error(capsys)
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: about 5 s on a loaded CPU
 def test_debug_shows_the_traceback(tmp_path):
     """--debug trades the one-line error for the full traceback."""
     result = subprocess.run([sys.executable, "-m", "autopart", "--debug", "simulate",

@@ -17,7 +17,7 @@ from runtime_helpers import make_plan, padded_batch, run_ranks
 from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SOURCE = "tiny-llama-tied"
 NUM_STEPS = 4

@@ -19,7 +19,7 @@ from autopart.intake.sources import build_hf_model
 from autopart.runtime import auto_pipeline
 from autopart.runtime.builder import tied_parameters
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOL = 1e-5
 # schedule -> stage sizes for the 7 blocks (embedding, 4 layers, norm-or-not, head), pp = 2

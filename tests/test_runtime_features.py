@@ -17,7 +17,7 @@ from runtime_helpers import make_plan, max_grad_diffs, padded_batch, run_ranks
 from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOL = 1e-5
 

@@ -14,7 +14,7 @@ from torch import nn
 from autopart.intake import discover_blocks
 from autopart.runtime import auto_pipeline
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOL = 1e-5
 WIDTH = 16

@@ -18,7 +18,7 @@ from autopart.intake import discover_blocks, load_model
 from autopart.intake.sources import build_hf_model
 from autopart.runtime import auto_pipeline
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOL = 1e-5
 ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}

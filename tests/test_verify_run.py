@@ -38,6 +38,7 @@ def _one_line_error(capsys) -> str:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_rank_run_reports_every_stage(files, capsys, monkeypatch):
     root = files["root"]

@@ -27,7 +27,7 @@ _TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
 _NXD_EVEN_CUT = "model.layers.3"
 """NxD's even split of 8 layers on pp 2: 4 layers a stage, cut after the 4th."""
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 def _compiles() -> int:
