@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,14 @@ def test_import_autopart_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_readme_shows_exactly_the_public_api():
+    """The README's Development block imports, and names every public name once."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    development = readme.split("\n## Development\n", 1)[1]
+    block = re.search(r"```python\n(.*?)```", development, re.S).group(1)
+    namespace: dict = {}
+    exec(block, namespace)
+    shown = sorted(name for name in namespace if name != "__builtins__")
+    assert shown == sorted(set(autopart.__all__) - {"__version__"})
