@@ -1,4 +1,4 @@
-"""Intake: model source -> model on meta -> ordered chain of blocks, found by watching its forward."""
+"""Intake: model source -> model on meta -> ordered chain of blocks, found from its forward."""
 
 from autopart.intake.blocks import Block, BlockChain, discover_blocks, example_inputs
 from autopart.intake.hf import causal_lm_loss

@@ -226,7 +226,8 @@ def _leaf_walk(module: nn.Module, prefix: str, layers: set[str], leaves: set[str
 
 def _shared(model: nn.Module, owned: set[str], layers: set[str]):
     """Parameter-free modules beside the blocks (rotary tables, dropout): every stage runs them."""
-    holders = {""} | {o.rsplit(".", i)[0] for o in owned | layers for i in range(1, o.count(".") + 1)}
+    holders = {""} | {o.rsplit(".", i)[0] for o in owned | layers
+                      for i in range(1, o.count(".") + 1)}
     for fqn, module in model.named_modules():
         parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
         if (fqn and parent in holders and fqn not in owned and fqn not in holders

@@ -165,8 +165,9 @@ class PipelinedModel:
         """This rank's state, keyed by original FQNs."""
         return self.module.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
-        """Take this rank's entries from ``state_dict`` (e.g. the full model's); return missing keys.
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor],
+                        strict: bool = True) -> list[str]:
+        """Take this rank's entries of ``state_dict`` (e.g. the full model's); return missing keys.
 
         With ``strict`` a key this rank needs and ``state_dict`` lacks raises
         ``RuntimeSetupError``; keys of other ranks' blocks are ignored.

@@ -55,7 +55,7 @@ def input_kwarg(idx: int) -> str:
 
 
 class ForwardStage(Tree):
-    """Blocks ``fqns`` of ``root``, run inside the model's own forward (see the module docstring)."""
+    """Blocks of ``root`` run inside the model's own forward (see the module docstring)."""
 
     def __init__(self, root: nn.Module, chain: BlockChain, block_names: list[str], *,
                  recompute: bool = False,
@@ -81,7 +81,7 @@ class ForwardStage(Tree):
         self._autocast_dtype = autocast_dtype
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
-        """Model inputs (first stage) or received tensors -> tensors to send, or the model output."""
+        """Model inputs (first stage) or received tensors -> tensors to send, or the output."""
         inputs = []
         while input_kwarg(len(inputs)) in kwargs:
             inputs.append(kwargs.pop(input_kwarg(len(inputs))))
@@ -141,8 +141,8 @@ def build_stage_modules(root: nn.Module, chain: BlockChain, stages: list[StagePl
                         recompute: Callable[[StagePlan], bool],
                         autocast_dtype: torch.dtype | None) -> list[nn.Module]:
     """One stage module per stage plan (already materialized blocks of ``root``)."""
-    return [ForwardStage(root, chain, list(stage.modules), recompute=recompute(stage), autocast_dtype=autocast_dtype)
-            for stage in stages]
+    return [ForwardStage(root, chain, list(stage.modules), recompute=recompute(stage),
+                         autocast_dtype=autocast_dtype) for stage in stages]
 
 
 def wrap_stages(modules: list[nn.Module], stages: list[StagePlan], num_stages: int,
