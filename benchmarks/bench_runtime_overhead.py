@@ -28,7 +28,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from transformers import LlamaConfig
 from transformers.masking_utils import create_causal_mask
 
-from autopart.intake import causal_lm_loss, discover_blocks
+from autopart.intake import discover_blocks
+from autopart.intake.hf import causal_lm_loss
 from autopart.intake.sources import build_hf_model, empty_on
 from autopart.runtime import auto_pipeline
 from autopart.schedules import SCHEDULES, stage_to_rank

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from autopart.errors import AutopartError, ProfileError
-from autopart.intake import Block, BlockChain, LoadedModel, discover_blocks, load_model
+from autopart.intake import BlockChain, LoadedModel, discover_blocks, load_model
+from autopart.intake.blocks import Block
 from autopart.intake.forward import leaf_paths
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
@@ -47,10 +48,30 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                   progress: ProgressFn | None = None) -> Profile:
     """Profile every block of ``source`` for one microbatch of training.
 
-    ``source`` is anything ``autopart.intake.load_model`` takes, or a ``LoadedModel``.
-    ``backend`` is ``cpu``, ``cuda``, ``xla`` or ``analytical:<device>`` (a key of
-    ``profiles/devices.json``). ``progress(done, total, block_name)`` is called after
-    each block. Raises ``ProfileError`` (one line, with a remedy) on bad settings.
+    The blocks are found by watching the model's forward (``discover_blocks``);
+    each is then measured with exactly the arguments that forward gives it.
+
+    Args:
+        source: Anything ``autopart.intake.load_model`` takes (preset, HF config
+            path or directory, hub id in the local cache, ``pkg.module:factory``,
+            an ``nn.Module``), or a ``LoadedModel``.
+        backend: ``cpu``, ``cuda``, ``xla`` or ``analytical:<device>`` (a key of
+            ``profiles/devices.json``).
+        micro_batch_size: Sequences per microbatch.
+        seq_len: Tokens per sequence.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        num_warmup: Untimed runs per block before measuring.
+        num_repeats: Timed runs per block (the median is kept).
+        layer_classes: Class names of the repeated layers, overriding discovery.
+        leaf_modules: Class names never split into smaller blocks.
+        progress: ``progress(done, total, block_name)`` after each block.
+
+    Returns:
+        The ``Profile``: one ``BlockProfile`` per block, the set-up it was taken in.
+
+    Raises:
+        ModelSourceError: The model cannot be loaded or its forward not pipelined.
+        ProfileError: Bad settings, or a block failing on the backend (one line).
     """
     backend = check_settings(backend, micro_batch_size, seq_len, dtype, num_warmup, num_repeats)
     loaded = source if isinstance(source, LoadedModel) else load_model(source)

@@ -22,8 +22,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopart.errors import ProfileError
-from autopart.intake import BlockChain, causal_lm_loss, example_inputs
+from autopart.intake import BlockChain
+from autopart.intake.blocks import example_inputs
 from autopart.intake.forward import intercept, leaf_paths, replace_leaves
+from autopart.intake.hf import causal_lm_loss
 
 __all__ = ["BlockTask", "ForwardRunner", "make_task"]
 

@@ -50,19 +50,42 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                   plan_options: dict[str, Any] | None = None) -> PipelinedModel:
     """Build this rank's stages of ``model_or_source`` as ``plan`` says.
 
-    ``model_or_source``: a model (best on the meta device) or an ``autopart`` model
-    source (preset, HF config path, ``pkg.module:factory``). ``plan``: a ``Plan``,
-    a path to plan JSON, or ``"auto"`` (profile and solve on rank 0, broadcast;
-    ``plan_options`` go to ``profile_model`` (``micro_batch_size``, ``seq_len``,
-    ``backend``, ...) and ``make_plan`` (``num_microbatches``, ``schedule``, ...)).
-    ``loss_fn(output, target)``: required for non-HF models; HF causal LMs default
-    to the token-mean next-token loss over the whole batch. ``device_mesh``: a
-    DeviceMesh with dims ``("pp", "dp")`` for pipeline x data parallelism, or
-    ``pp_group`` for a pipeline that is not the whole world. Weights come from
-    ``checkpoint_path`` (local safetensors) if given, else ``param_init_fn(block)``,
-    else the model's own initialization seeded per block (``init_seed``).
-    ``activation_checkpointing``: ``"plan"`` (stages the plan marks), ``True`` (all)
-    or ``None``. ``autocast_dtype``: run forward under ``torch.autocast``.
+    Every stage keeps its blocks under their original FQNs and runs the model's
+    own forward (``autopart.runtime.stages``), so checkpoints, optimizers and
+    ``state_dict`` keys are those of the unpipelined model.
+
+    Args:
+        model_or_source: A model (best on the meta device: each rank materializes
+            only its blocks) or an autopart model source (preset, HF config path,
+            ``pkg.module:factory``).
+        plan: A ``Plan``, the path of a plan JSON, or ``"auto"`` (profile and solve
+            on rank 0, then broadcast).
+        loss_fn: ``loss_fn(output, target)``; required for non-HF models. HF causal
+            LMs default to the token-mean next-token loss over the whole batch.
+        device: Where this rank's blocks live (default: the current CUDA device,
+            else the CPU).
+        pp_group: The pipeline's process group when it is not the whole world.
+        device_mesh: A DeviceMesh with dims ``("pp", "dp")`` for pipeline x data
+            parallelism (instead of ``pp_group``).
+        param_init_fn: ``param_init_fn(block)`` initializes a materialized block.
+        dtype: Cast the blocks to this dtype.
+        activation_checkpointing: ``"plan"`` (the stages the plan marks), ``True``
+            (every stage) or ``None``.
+        checkpoint_path: Local safetensors file or directory to load weights from.
+        autocast_dtype: Run the forward under ``torch.autocast`` in this dtype.
+        init_seed: Seed of the default per-block initialization.
+        plan_options: With ``plan="auto"``: options for ``profile_model``
+            (``micro_batch_size``, ``seq_len``, ``backend``, ...) and ``make_plan``
+            (``num_microbatches``, ``schedule``, ...).
+
+    Returns:
+        The ``PipelinedModel``: ``step(*inputs, target=...)`` runs one training step.
+
+    Raises:
+        RuntimeSetupError: The world size, plan, model or options do not fit
+            together (one line naming the remedy).
+        SchemaError: The plan file is missing or malformed.
+        ModelSourceError: The model cannot be loaded or its forward not pipelined.
     """
     groups = resolve_groups(pp_group, device_mesh)
     root = load_model(model_or_source).model

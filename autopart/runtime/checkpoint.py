@@ -35,8 +35,15 @@ def save_checkpoint(model: PipelinedModel | nn.Module, optimizer: torch.optim.Op
                     path: str | Path, step: int) -> None:
     """Write a DCP checkpoint of ``model`` (pipelined or not), ``optimizer`` and ``step``.
 
+    Keys are the unpipelined model's FQNs, so any plan (or none) can load it.
     Collective over the default process group when one is initialized: call it on
     every rank.
+
+    Args:
+        model: A ``PipelinedModel`` (this rank's blocks) or a whole ``nn.Module``.
+        optimizer: Its optimizer, or ``None`` for weights only.
+        path: Checkpoint directory.
+        step: Training step stored with it.
     """
     module = _module(model)
     state: dict = {"model": module.state_dict(), "step": int(step)}
@@ -47,10 +54,22 @@ def save_checkpoint(model: PipelinedModel | nn.Module, optimizer: torch.optim.Op
 
 def load_checkpoint(model: PipelinedModel | nn.Module, optimizer: torch.optim.Optimizer | None,
                     path: str | Path) -> int | None:
-    """Load ``model`` (and ``optimizer``) from the DCP checkpoint at ``path``; return its step.
+    """Load ``model`` (and ``optimizer``) from the DCP checkpoint at ``path``.
 
-    A rank reads only the keys it holds. Returns ``None`` when the checkpoint has
-    no step (e.g. weights saved from an unpipelined model).
+    A rank reads only the keys it holds, whatever plan wrote the checkpoint.
+
+    Args:
+        model: A ``PipelinedModel`` or a whole ``nn.Module``.
+        optimizer: Its optimizer, or ``None`` for weights only.
+        path: Checkpoint directory written by ``save_checkpoint``.
+
+    Returns:
+        The stored step, or ``None`` when the checkpoint has none (e.g. weights
+        saved from an unpipelined model).
+
+    Raises:
+        RuntimeSetupError: ``path`` does not exist, or holds no optimizer state
+            while ``optimizer`` is given.
     """
     saved = _saved_keys(path)
     module = _module(model)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autopart.intake import causal_lm_loss
-from autopart.intake.hf import IGNORE_INDEX
+from autopart.intake.hf import IGNORE_INDEX, causal_lm_loss
 
 __all__ = ["TokenMeanLoss", "count_target_tokens"]
 

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError, RuntimeSetupError
+from autopart.profile.profiler import ProgressFn
 from autopart.schema import Plan
 from autopart.verify.build import build_report
 from autopart.verify.report import RunReport
-from autopart.verify.worker import ProgressFn, RunSettings, run_rank
+from autopart.verify.worker import RunSettings, run_rank
 
 __all__ = ["verify_plan"]
 

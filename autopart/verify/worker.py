@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from autopart.errors import RuntimeSetupError
+from autopart.profile.profiler import ProgressFn
 from autopart.schema import Plan
 from autopart.verify.instrument import StepRecorder
 from autopart.verify.memory import CPU_METHOD, CUDA_METHOD, measure_step_memory
 from autopart.verify.report import MeasuredMemory
 
-__all__ = ["ProgressFn", "RankResult", "RunSettings", "Span", "run_rank"]
+__all__ = ["RankResult", "RunSettings", "Span", "run_rank"]
 
-ProgressFn = Callable[[int, int, str], None]
 """``progress(done, total, what)``: ``done`` of ``total`` units finished, the last ``what``."""
 
 Span = tuple[str, int, int, float, float]
