@@ -96,7 +96,7 @@ class ModelInfo:
     num_params: int
     source: str = ""
     family: str = ""
-    """``llama``, ``qwen2``, ... for HF causal LMs; ``sequential`` / ``modulelist`` otherwise."""
+    """``llama``, ``qwen2``, ... for HF causal LMs; ``sequential`` or ``traced`` otherwise."""
     tied_embeddings: bool = False
     vocab_size: int = 0
     hidden_size: int = 0
@@ -105,6 +105,10 @@ class ModelInfo:
     """Class names of the repeated layers (NxD's ``transformer_layer_cls``)."""
     shared_modules: tuple[str, ...] = ()
     """Parameter-free modules every stage needs (e.g. ``model.rotary_emb``)."""
+    notes: tuple[str, ...] = ()
+    """One line each on how the model is served: eager attention where transformers
+    has no SDPA for the family, blocks fused because no exact cut separates their
+    modules, MoE routing spread, a router auxiliary loss the pipeline does not add."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         if not console.is_terminal:
             console = Console(width=160)
         console.print(summary_table(profile))
+        for note in profile.model.notes:
+            console.print(f"note: {note}", soft_wrap=True, highlight=False)
     Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
 

@@ -216,3 +216,38 @@ def test_fingerprint_is_stable_and_discriminating():
 def _preset_path(name: str) -> str:
 
     return str(data_path("presets", f"{name}.json"))
+
+
+class _Branchy(nn.Module):
+    """Decides in its forward, between layers, from a layer's output values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            if x.abs().max().item() > 1e9:
+                break
+        return x
+
+
+def test_forward_branching_on_block_values_is_refused():
+    with pytest.raises(ModelSourceError, match=r"reads the values .* \(Tensor\.item\)"):
+        discover_blocks(_Branchy())
+
+
+def test_reading_a_parameter_dtype_between_blocks_is_allowed():
+    class Head(nn.Module):  # like Mamba's head: h.to(self.out.weight.dtype)
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return self.out(x.to(self.out.weight.dtype))
+
+    assert discover_blocks(Head()).names == ["layers.0", "layers.1", "out"]

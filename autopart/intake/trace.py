@@ -33,6 +33,12 @@ from autopart.intake.forward import intercept, leaf_paths, meta_stub
 
 __all__ = ["CallRecord", "ForwardTrace", "trace_forward"]
 
+_READS_VALUES = frozenset({
+    "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal",
+    "allclose",
+})
+"""Calls that turn tensor values into Python values (control flow, shapes)."""
+
 _NO_VALUE = frozenset({
     "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
     "full_like", "size", "dim", "numel", "stride", "is_floating_point", "is_complex",
@@ -81,6 +87,8 @@ class _Labels(TorchFunctionMode):
         self.uses: list[tuple[float, int, int]] = []
         """(position, newest call the used value derives from, its id) per labelled use."""
         self.params_in_glue: list[str] = []
+        self.value_reads: list[str] = []
+        """Calls in the glue that read block outputs' values into Python (``.item()``)."""
         self.inside = 0
 
     def label_of(self, t: Any) -> frozenset[int]:
@@ -105,6 +113,8 @@ class _Labels(TorchFunctionMode):
             if isinstance(x, nn.Parameter):
                 self.params_in_glue.append(f"{tuple(x.shape)}")
         labels = [self.label_of(x) for x in inputs]
+        if name in _READS_VALUES and any(labels):
+            self.value_reads.append(name)
         for x, label in zip(inputs, labels):
             if label:
                 self.uses.append((self.position, max(label), id(x)))
@@ -171,6 +181,12 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
             f"{what}'s forward uses a parameter of shape {mode.params_in_glue[0]} outside its "
             f"blocks, so no pipeline stage could own it; move it into a submodule or pass "
             f"--layer-class to choose the blocks")
+    if mode.value_reads:
+        raise ModelSourceError(
+            f"{what}'s forward reads the values of its blocks' outputs between blocks "
+            f"(Tensor.{mode.value_reads[0]}), e.g. to decide what to run; a pipeline stage "
+            f"replays that code without those values, so autopart cannot split it exactly; "
+            f"move that code into a block or pass --layer-class to choose larger blocks")
     num = len(order)
     final = False
     for leaf in leaf_paths((output,), {}):

@@ -98,7 +98,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_threads=torch.get_num_threads(),
         attn_implementation=str(getattr(getattr(model, "config", None),
                                         "_attn_implementation", "") or ""))
-    return Profile(model=_model_info(loaded, chain), setup=setup, blocks=tuple(blocks))
+    return Profile(model=_model_info(loaded, chain, blocks), setup=setup,
+                   blocks=tuple(blocks))
 
 
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
@@ -222,7 +223,32 @@ def _signature(chain: BlockChain, idx: int, module: nn.Module, args: tuple, kwar
     return digest.hexdigest()
 
 
-def _model_info(loaded: LoadedModel, chain: BlockChain) -> ModelInfo:
+def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile]) -> list[str]:
+    """The one-line notes of ``ModelInfo.notes`` for a profiled model."""
+    notes = []
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "eager" and \
+            not getattr(model, "_supports_sdpa", True):
+        notes.append(f"attention: eager; transformers has no SDPA attention for "
+                     f"{config.model_type}, so it is profiled and trained with eager")
+    for block in chain.blocks:
+        if block.modules:
+            notes.append(f"block {block.name} runs {' + '.join(block.modules)}: the forward "
+                         f"uses them together, so no exact cut separates them")
+    loads = [b.expert_load for b in blocks if b.expert_load]
+    if loads:
+        notes.append(f"MoE routing over {len(loads)} layers: the busiest expert got "
+                     f"{max(x[0] for x in loads):.2f}x the mean tokens, the idlest "
+                     f"{min(x[1] for x in loads):.2f}x (random weights; a trained router differs)")
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if loads and coef:
+        notes.append(f"router auxiliary loss (router_aux_loss_coef={coef}) is dropped: the "
+                     f"pipeline trains on the token loss only")
+    return notes
+
+
+def _model_info(loaded: LoadedModel, chain: BlockChain,
+                blocks: list[BlockProfile]) -> ModelInfo:
     config = loaded.config
     hf = chain.family == "hf_causal_lm" and config is not None
     num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
@@ -236,7 +262,8 @@ def _model_info(loaded: LoadedModel, chain: BlockChain) -> ModelInfo:
         vocab_size=int(getattr(config, "vocab_size", 0) or 0) if hf else 0,
         hidden_size=int(getattr(config, "hidden_size", 0) or 0) if hf else 0,
         num_layers=num_layers, layer_classes=chain.layer_class_names,
-        shared_modules=chain.shared_modules)
+        shared_modules=chain.shared_modules,
+        notes=tuple(model_notes(loaded.model, chain, blocks)))
 
 
 def _transformers_version() -> str:

@@ -106,6 +106,10 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                        "microbatch; prefer 1f1b or interleaved-1f1b with recompute",
                        plan_obj.schedule)
     hf = chain.family == "hf_causal_lm"
+    coef = getattr(getattr(root, "config", None), "router_aux_loss_coef", None)
+    if coef and loss_fn is None and dist.get_rank() == 0:
+        logger.warning("router auxiliary loss (router_aux_loss_coef=%s) is dropped: the "
+                       "pipeline trains on the token loss only", coef)
     ties = tied_parameters(root, chain)
     aliases = {later: first for first, later in ties}
 
