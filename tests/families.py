@@ -36,7 +36,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
                     "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1,
                     "num_key_value_heads": 4},
 }
+MORE_FAMILIES: dict[str, dict[str, Any]] = {
+    "bloom": {"n_layer": 4, "n_head": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32, "dropout": 0.0,
+            "attention_dropout": 0.0},
+    "gpt_bigcode": {"n_embd": 32, "n_head": 4, "n_layer": 4, "n_positions": 64,
+                    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "starcoder2": {"residual_dropout": 0.0, "embedding_dropout": 0.0},
+    "mamba": {"state_size": 4, "expand": 2, "conv_kernel": 2},
+    "cohere": {},
+}
+"""Families beyond the issue's list, also served by watching the forward."""
+FAMILIES_ALL = {**FAMILIES, **MORE_FAMILIES}
+
 _ONLY = {"gpt2": ("vocab_size", "bos_token_id", "eos_token_id"),
+         "gpt_bigcode": ("vocab_size", "bos_token_id", "eos_token_id"),
+         "bloom": ("vocab_size", "hidden_size", "bos_token_id", "eos_token_id",
+                   "pad_token_id"),
+         "mamba": ("vocab_size", "hidden_size", "num_hidden_layers", "bos_token_id",
+                   "eos_token_id", "pad_token_id"),
          "falcon": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
                     "bos_token_id", "eos_token_id")}
 
@@ -47,7 +65,7 @@ def tiny_config(model_type: str, **overrides: Any):
 
     keys = _ONLY.get(model_type)
     base = {k: v for k, v in _COMMON.items() if keys is None or k in keys}
-    base.update(FAMILIES[model_type])
+    base.update(FAMILIES_ALL[model_type])
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
 
