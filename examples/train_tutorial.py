@@ -48,6 +48,7 @@ if __name__ == "__main__":
                         help="the tutorial's 512-wide model and 32x500 batch (slow on a CPU)")
     cli = parser.parse_args()
     init_distributed()
+    torch.manual_seed(0)  # autopart: the same dummy data on every rank, run to run
     num_microbatches = 4
     model_args = ModelArgs() if cli.full_size else TINY
     with torch.device("meta"):  # autopart: nothing of full size on any rank
