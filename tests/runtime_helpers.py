@@ -21,7 +21,7 @@ from autopart.schema import Plan, RankPlan, StagePlan, TrainingSetup
 PG_TIMEOUT_S = 90
 
 
-def make_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: int,
+def make_stage_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: int,
               num_microbatches: int, recompute: tuple[int, ...] = ()) -> Plan:
     """A plan with contiguous stages of ``counts`` blocks each, ranks from ``stage_to_rank``."""
     assert sum(counts) == len(chain.blocks), (counts, len(chain.blocks))

@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from solve_helpers import GIB, llama_like
 
 from autopart.schema import Plan
 from cli.main import main
-from tests.solve_helpers import GIB, llama_like
 
 
 @pytest.fixture(scope="module")

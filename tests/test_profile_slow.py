@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -22,14 +21,6 @@ def _load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture()
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from families import init_real
-from runtime_helpers import make_plan, padded_batch, run_ranks
+from runtime_helpers import make_stage_plan, padded_batch, run_ranks
 
 from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
@@ -50,7 +50,7 @@ def _train(pipe, optimizer, batches, first_step: int, save_at: int | None = None
 
 def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: str) -> dict:
     chain = discover_blocks(load_model(SOURCE).model)
-    plan = make_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
+    plan = make_stage_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
     batches = _batches()
     pipe = auto_pipeline(SOURCE, plan=plan, device="cpu", init_seed=5)
     assert load_checkpoint(pipe, None, init_dir) is None  # weights of the unpipelined model

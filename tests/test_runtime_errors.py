@@ -7,14 +7,11 @@ one-rank pipeline trains exactly like the unpipelined model.
 from __future__ import annotations
 
 import dataclasses
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from families import init_real
-from runtime_helpers import make_plan, max_grad_diffs, padded_batch
+from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError, SchemaError
@@ -22,22 +19,10 @@ from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline
 
 
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo process group for the duration of a test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 def _plan(source: str = "tiny-llama", pp_size: int = 1, schedule: str = "gpipe"):
     chain = discover_blocks(load_model(source).model)
     counts = [7] if pp_size == 1 else [4, 3]
-    return make_plan(chain, counts, schedule=schedule, pp_size=pp_size, num_microbatches=2)
+    return make_stage_plan(chain, counts, schedule=schedule, pp_size=pp_size, num_microbatches=2)
 
 
 def test_needs_initialized_process_group():
@@ -66,7 +51,7 @@ def test_plan_modules_do_not_match(one_rank):
 def test_generic_model_needs_loss_fn(one_rank):
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    plan = make_plan(discover_blocks(model), [2], schedule="gpipe", pp_size=1,
+    plan = make_stage_plan(discover_blocks(model), [2], schedule="gpipe", pp_size=1,
                      num_microbatches=2)
     with pytest.raises(RuntimeSetupError, match="needs loss_fn"):
         auto_pipeline(model, plan=plan, device="cpu")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import FAMILIES, FAMILIES_ALL, real_model, tiny_config
-from runtime_helpers import make_plan as make_stage_plan
-from runtime_helpers import max_grad_diffs, padded_batch, run_ranks
+from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
 
 from autopart.intake import discover_blocks
 from autopart.intake.sources import build_hf_model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import init_real
-from runtime_helpers import make_plan, max_grad_diffs, padded_batch, run_ranks
+from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
 
 from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline
@@ -49,7 +49,7 @@ def _worker(rank: int, world_size: int, hf_dir: str) -> dict:
     out: dict = {"ref_loss": ref_loss}
     for name, counts in (("1f1b", [4, 3]), ("interleaved-zb", [2, 2, 1, 2]),
                          ("zbv", [2, 2, 2, 1])):
-        plan = make_plan(chain, counts, schedule=name, pp_size=2, num_microbatches=4,
+        plan = make_stage_plan(chain, counts, schedule=name, pp_size=2, num_microbatches=4,
                          recompute=(0, 1))
         for mode in ("plan", True):
             pipe = auto_pipeline("tiny-llama", plan=plan, device="cpu",
@@ -64,7 +64,7 @@ def _worker(rank: int, world_size: int, hf_dir: str) -> dict:
             num_layers = sum(len(_layers(s)) for s in pipe.stage_plans)
             out[f"ac-{mode}:{name}"]["layer_calls"] = (len(calls),
                                                        4 * (num_layers + recomputed))
-    plan = make_plan(chain, [3, 4], schedule="gpipe", pp_size=2, num_microbatches=2)
+    plan = make_stage_plan(chain, [3, 4], schedule="gpipe", pp_size=2, num_microbatches=2)
     _, bf16_loss, bf16_grads = _reference("tiny-llama", batch, autocast=True)
     pipe = auto_pipeline("tiny-llama", plan=plan, device="cpu", autocast_dtype=torch.bfloat16)
     pipe.load_state_dict(state)
@@ -73,12 +73,12 @@ def _worker(rank: int, world_size: int, hf_dir: str) -> dict:
 
     _, tied_loss, tied_grads = _reference("tiny-llama-tied", batch)
     tied_chain = discover_blocks(load_model("tiny-llama-tied").model)
-    plan = make_plan(tied_chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
+    plan = make_stage_plan(tied_chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
     pipe = auto_pipeline("tiny-llama-tied", plan=plan, device="cpu", checkpoint_path=hf_dir)
     out["safetensors"] = _step(pipe, batch, tied_grads) | {"ref_loss": tied_loss}
 
     calls = []
-    plan = make_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
+    plan = make_stage_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
     pipe = auto_pipeline("tiny-llama", plan=plan, device="cpu",
                          param_init_fn=lambda m: calls.append(m) or _fill(m))
     out["init_fn"] = {"calls": len(calls),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import make_plan, max_grad_diffs, run_ranks
+from runtime_helpers import make_stage_plan, max_grad_diffs, run_ranks
 from torch import nn
 
 from autopart.intake import discover_blocks
@@ -110,7 +110,7 @@ def _worker(rank: int, world_size: int, factory_name: str, in_dim: int) -> dict:
         chain = discover_blocks(factory())
     results = {}
     for name, (counts, num_mb) in SCHEDULES_PP2.items():
-        plan = make_plan(chain, counts, schedule=name, pp_size=world_size,
+        plan = make_stage_plan(chain, counts, schedule=name, pp_size=world_size,
                          num_microbatches=num_mb)
         with torch.device("meta"):
             model = factory()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import init_real
-from runtime_helpers import make_plan, max_grad_diffs, padded_batch, run_ranks
+from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
 from transformers import LlamaConfig
 
 from autopart.intake import discover_blocks, load_model
@@ -70,7 +70,7 @@ def _schedules_worker(rank: int, world_size: int, source, schedules: dict) -> di
     chain = discover_blocks(_meta_model(source))
     results = {}
     for name, (counts, num_mb) in schedules.items():
-        plan = make_plan(chain, counts, schedule=name, pp_size=world_size,
+        plan = make_stage_plan(chain, counts, schedule=name, pp_size=world_size,
                          num_microbatches=num_mb)
         pipe = auto_pipeline(_meta_model(source), plan=plan, device="cpu")
         pipe.load_state_dict(state)
@@ -152,7 +152,7 @@ def _mesh_worker(rank: int, world_size: int, config_kwargs: dict) -> dict:
     half = tuple(t[dp_rank * 4:(dp_rank + 1) * 4] for t in batch)
     chain = discover_blocks(_meta_model(config))
     for name, counts in (("1f1b", [5, 4]), ("interleaved-zb", [3, 2, 2, 2])):
-        plan = make_plan(chain, counts, schedule=name, pp_size=2, num_microbatches=2)
+        plan = make_stage_plan(chain, counts, schedule=name, pp_size=2, num_microbatches=2)
         pipe = auto_pipeline(_meta_model(config), plan=plan, device="cpu", device_mesh=mesh)
         pipe.load_state_dict(state)
         results[f"dp:{name}"] = _run_schedule(pipe, half, ref_loss, ref_grads)

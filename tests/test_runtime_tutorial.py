@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import make_plan as make_stage_plan
-from runtime_helpers import max_grad_diffs, run_ranks
+from runtime_helpers import make_stage_plan, max_grad_diffs, run_ranks
 from torch import nn
 
 from autopart.intake import discover_blocks

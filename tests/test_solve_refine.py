@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from solve_helpers import llama_like, make_block, make_profile
 
 from autopart.errors import PlanError
 from autopart.solve import make_plan
 from autopart.solve.refine import allowed_cuts, fuse_blocks, legal
-from tests.solve_helpers import llama_like, make_block, make_profile
 
 
 def test_fuse_blocks_merges_runs_without_cuts():

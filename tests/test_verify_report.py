@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import pytest
+from solve_helpers import llama_like
 
 from autopart.errors import SchemaError
 from autopart.simulate import simulate_plan
@@ -20,7 +21,6 @@ from autopart.verify.report import MeasuredMemory
 from autopart.verify.trace import comparison_trace
 from autopart.verify.worker import RankResult
 from cli.main import main
-from tests.solve_helpers import llama_like
 
 REQUIRED = ("predicted_step_ms", "measured_step_ms", "schema_version", "plan_fingerprint",
             "steps", "memory_method", "device", "stages", "ranks")
