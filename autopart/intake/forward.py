@@ -8,7 +8,7 @@ stops the forward at the first block after it (``StageExit``). The model's own
 code between blocks (masks, rotary embeddings, scaling, residual glue) runs
 unchanged, so no family's calling convention is written down here.
 
-``meta_stub`` is the stand-in: it runs a block on the meta device to learn the
+``StandIn`` is the stand-in: it runs a block on the meta device to learn the
 shapes of its outputs and returns zeros of those shapes where the caller lives.
 """
 
@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 __all__ = ["StageExit", "Substitute", "intercept", "leaf_paths", "meta_copy",
-           "meta_safe_experts", "meta_stub", "model_output_tensor", "replace_leaves",
+           "meta_safe_experts", "StandIn", "model_output_tensor", "replace_leaves",
            "structure_key"]
 
 Handler = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
@@ -124,7 +124,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_meta else torch.empty_like(t, device="meta")
 
 
-class meta_stub:
+class StandIn:
     """Stand-in for a block: zeros shaped like its output, found by running it on meta.
 
     ``module`` is the block (any device); a meta copy of it is made and run only

@@ -1,7 +1,7 @@
 """Watch a model's own forward once: which blocks it calls, with what, and where cuts are safe.
 
 The forward runs on the CPU with every candidate block replaced by its meta
-stand-in (``meta_stub``), so nothing of full size is allocated and the model's own
+stand-in (``StandIn``), so nothing of full size is allocated and the model's own
 code between blocks runs on real (tiny) tensors. A ``TorchFunctionMode`` labels
 each tensor with the set of block calls its value derives from. That gives, per
 block call:
@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autopart.errors import ModelSourceError
-from autopart.intake.forward import intercept, leaf_paths, meta_stub
+from autopart.intake.forward import StandIn, intercept, leaf_paths
 
 __all__ = ["CallRecord", "ForwardTrace", "trace_forward"]
 
@@ -133,7 +133,7 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
     fails, calls a candidate twice, or uses a parameter outside every candidate.
     """
     shapes: dict = {}
-    stubs = {fqn: meta_stub(model.get_submodule(fqn), shapes) for fqn in fqns}
+    stand_ins = {fqn: StandIn(model.get_submodule(fqn), shapes) for fqn in fqns}
     mode = _Labels()
     order: list[int] = []
     records: list[CallRecord] = []
@@ -156,7 +156,7 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
                 mode.uses.append((float(call), max(mode.label_of(leaf)), id(leaf)))
         mode.inside += 1
         try:
-            out = stubs[fqns[idx]](args, kwargs, torch.device("cpu"))
+            out = stand_ins[fqns[idx]](args, kwargs, torch.device("cpu"))
         finally:
             mode.inside -= 1
         mode.mark(out, frozenset({call}))

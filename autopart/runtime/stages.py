@@ -4,7 +4,7 @@ A stage module (``ForwardStage``) holds one stage's blocks under their original
 FQNs and runs the **model's own forward** for every microbatch, with
 ``autopart.intake.forward.intercept`` deciding what each block call does:
 
-* blocks before the stage are stood in for (``meta_stub``: zeros of the right
+* blocks before the stage are stood in for (``StandIn``: zeros of the right
   shape; the intake trace proved their values never reach this stage's blocks);
 * the stage's first block gets the tensors received from the previous stage in
   place of its stream arguments (``layer(h, h)`` gets the one tensor twice);
@@ -35,10 +35,10 @@ from torch.utils.checkpoint import checkpoint
 from autopart.intake import BlockChain
 from autopart.intake.forward import (
     StageExit,
+    StandIn,
     Substitute,
     intercept,
     leaf_paths,
-    meta_stub,
     model_output_tensor,
 )
 from autopart.runtime.tree import Tree, prune
@@ -75,7 +75,7 @@ class ForwardStage(Tree):
         self._out_slots = None if self.is_last else chain.call(self._end_call).stream
         self._const_kwargs = {"use_cache": False} if chain.family == "hf_causal_lm" else {}
         self._reuse = bool(chain.trace is not None and chain.trace.stream_reused)
-        self._stubs: dict[int, meta_stub] = {}
+        self._stand_ins: dict[int, StandIn] = {}
         self._shapes: dict = {}  # output shapes shared by this stage's identical stand-ins
         self._recompute = recompute
         self._autocast_dtype = autocast_dtype
@@ -94,7 +94,7 @@ class ForwardStage(Tree):
         def handler(idx: int, module: nn.Module, original: Callable[..., Any], a: tuple,
                     kw: dict) -> Any:
             if idx < self._first_call:
-                return self._stub(idx)(a, kw, device)
+                return self._stand_in(idx)(a, kw, device)
             if idx == self._first_call and received is not None:
                 leaves = leaf_paths(a, kw)
                 for pos, slot in enumerate(self._in_slots):
@@ -130,11 +130,11 @@ class ForwardStage(Tree):
                        for t in (picked[s] for s in sorted(picked)))
         return values[0] if len(values) == 1 else values
 
-    def _stub(self, idx: int) -> meta_stub:
-        if idx not in self._stubs:
-            self._stubs[idx] = meta_stub(self._root.get_submodule(self._calls[idx]),
+    def _stand_in(self, idx: int) -> StandIn:
+        if idx not in self._stand_ins:
+            self._stand_ins[idx] = StandIn(self._root.get_submodule(self._calls[idx]),
                                          self._shapes)
-        return self._stubs[idx]
+        return self._stand_ins[idx]
 
 
 def build_stage_modules(root: nn.Module, chain: BlockChain, stages: list[StagePlan], *,
