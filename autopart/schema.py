@@ -318,13 +318,21 @@ class Plan(JsonFile):
     seq_len: int = 0
     dtype: str = ""
     """The profile's dtype."""
+    tp_size: int = 1
+    """Tensor-parallel degree: devices (within one node) that shard every stage."""
+    dp_size: int = 1
+    """Data-parallel replicas of the whole pipeline; the mesh is tp x pp x dp devices."""
+    zero_stage: int = 0
+    """1: optimizer state sharded across the dp replicas (ZeRO-1); 0: replicated."""
 
     def __post_init__(self) -> None:
         # Plans come from users' files: check with exceptions, which ``python -O`` keeps.
-        for name in ("pp_size", "virtual_stages", "num_microbatches"):
+        for name in ("pp_size", "virtual_stages", "num_microbatches", "tp_size", "dp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SchemaError(f"plan {name} must be an integer >= 1, got {value!r}")
+        if self.zero_stage not in (0, 1):
+            raise SchemaError(f"plan zero_stage must be 0 or 1, got {self.zero_stage!r}")
         num_stages = self.pp_size * self.virtual_stages
         if len(self.stages) != num_stages:
             raise SchemaError(f"plan has {len(self.stages)} stage(s), expected pp_size x "

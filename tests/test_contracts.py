@@ -97,11 +97,23 @@ def test_plan_round_trip():
         Plan.from_json(json.dumps(broken), "plan.json")
 
 
+def test_plans_without_a_mesh_load_as_tp1_dp1():
+    """Plans written before the mesh fields existed still load, as one replica, no TP."""
+    data = json.loads(_two_stage_plan().to_json())
+    for key in ("tp_size", "dp_size", "zero_stage"):
+        del data[key]
+    plan = Plan.from_json(json.dumps(data), "old.json")
+    assert (plan.tp_size, plan.dp_size, plan.zero_stage) == (1, 1, 0)
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: d.update(pipeline_cuts=[]), r"0 pipeline cut\(s\) for 2 stages, expected 1"),
     (lambda d: d.update(pp_size=4), r"2 stage\(s\), expected pp_size x virtual_stages"),
     (lambda d: d["stages"][1].update(rank=5), r"stage\(s\) \[1\] on ranks outside 0..1"),
     (lambda d: d.update(num_microbatches=0), "num_microbatches must be an integer >= 1"),
+    (lambda d: d.update(tp_size=0), "tp_size must be an integer >= 1"),
+    (lambda d: d.update(dp_size=1.5), "dp_size"),
+    (lambda d: d.update(zero_stage=2), "zero_stage must be 0 or 1"),
 ])
 def test_inconsistent_plan_files_are_schema_errors(edit, message):
     data = json.loads(_two_stage_plan().to_json())
