@@ -17,6 +17,7 @@ __all__ = [
     "BaselineResult",
     "BlockProfile",
     "ModelInfo",
+    "PRECISIONS",
     "Plan",
     "Profile",
     "ProfileSetup",
@@ -24,6 +25,9 @@ __all__ = [
     "SolverInfo",
     "StagePlan",
     "TrainingSetup",
+    "default_precision",
+    "precision_fields",
+    "setup_fields_with_precision",
 ]
 
 BLOCK_KINDS = ("embedding", "decoder_layer", "norm", "head", "block")
@@ -32,6 +36,24 @@ _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms
                               "num_params", "compile_ms")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PRECISIONS: dict[str, dict[str, Any]] = {
+    # Plain torch training in one dtype: AdamW's exp_avg / exp_avg_sq are
+    # zeros_like(param), so they take the parameters' dtype (torch/optim/adamw.py).
+    "fp32": {"param_dtype": "float32", "grad_dtype": "float32",
+             "optimizer_dtype": "float32", "master_weights": False},  # 4 + 4 + 8 = 16 B
+    "bf16": {"param_dtype": "bfloat16", "grad_dtype": "bfloat16",
+             "optimizer_dtype": "bfloat16", "master_weights": False},  # 2 + 2 + 4 = 8 B
+    "fp16": {"param_dtype": "float16", "grad_dtype": "float16",
+             "optimizer_dtype": "float16", "master_weights": False},  # 2 + 2 + 4 = 8 B
+    # Mixed precision as Megatron / DeepSpeed / NeMo run it: low-precision weights for
+    # compute, fp32 master weights, fp32 main gradients, fp32 Adam state.
+    "bf16-mixed": {"param_dtype": "bfloat16", "grad_dtype": "float32",
+                   "optimizer_dtype": "float32", "master_weights": True},  # 2+4+4+8 = 18 B
+    "fp16-mixed": {"param_dtype": "float16", "grad_dtype": "float32",
+                   "optimizer_dtype": "float32", "master_weights": True},  # 2+4+4+8 = 18 B
+}
+"""Static-memory presets: the ``TrainingSetup`` dtype fields each one sets."""
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,6 +221,61 @@ class TrainingSetup:
                               f"{self.link_bandwidth_bytes_per_s} bytes/s")
         if not self.link_latency_ms >= 0:
             raise SchemaError(f"link latency must be >= 0 ms, got {self.link_latency_ms}")
+
+    @property
+    def precision(self) -> str:
+        """The ``PRECISIONS`` preset these dtype fields match, or ``"custom"``."""
+        for name, fields in PRECISIONS.items():
+            if all(getattr(self, key) == value for key, value in fields.items()):
+                return name
+        return "custom"
+
+
+def precision_fields(precision: str) -> dict[str, Any]:
+    """The ``TrainingSetup`` dtype fields of a ``PRECISIONS`` preset.
+
+    Args:
+        precision: A preset name (``fp32``, ``bf16``, ``fp16``, ``bf16-mixed``, ``fp16-mixed``).
+
+    Returns:
+        ``param_dtype``, ``grad_dtype``, ``optimizer_dtype`` and ``master_weights``.
+
+    Raises:
+        SchemaError: Unknown preset.
+    """
+    if precision not in PRECISIONS:
+        raise SchemaError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
+    return dict(PRECISIONS[precision])
+
+
+def setup_fields_with_precision(fields: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """``TrainingSetup`` keyword arguments with a ``precision`` preset expanded.
+
+    Args:
+        fields: Keyword arguments for ``TrainingSetup``, plus an optional ``precision``.
+        dtype: The profile's dtype, whose preset applies when neither ``precision`` nor
+            a dtype field is given.
+
+    Returns:
+        The arguments with the preset's dtype fields in place of ``precision``.
+
+    Raises:
+        SchemaError: Unknown preset, or a preset given together with dtype fields.
+    """
+    fields = dict(fields)
+    precision = fields.pop("precision", None)
+    explicit = sorted(key for key in PRECISIONS["fp32"] if key in fields)
+    if precision is not None and explicit:
+        raise SchemaError(f"precision {precision!r} sets the dtypes; do not also give "
+                          f"{', '.join(explicit)}")
+    if precision is None and not explicit:
+        precision = default_precision(dtype)
+    return fields if precision is None else {**precision_fields(precision), **fields}
+
+
+def default_precision(dtype: str) -> str:
+    """The preset of plain training in a profile's ``dtype`` (what ``verify`` runs)."""
+    return _PRECISION_OF_DTYPE.get(dtype, "fp32")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

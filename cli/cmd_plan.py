@@ -14,12 +14,13 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from autopart.cost import static_bytes_per_param
 from autopart.errors import PlanError
 from autopart.export import FORMATS, MODULE_NAMES, export_plan
 from autopart.jsonio import check_writable
 from autopart.profile import load_device_spec, parse_backend
 from autopart.schedules import SCHEDULES
-from autopart.schema import Plan, Profile
+from autopart.schema import PRECISIONS, Plan, Profile, default_precision
 from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
 
@@ -51,10 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition", default="optimal", choices=PARTITIONS)
     p.add_argument("--solver", default="auto", choices=SOLVERS)
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "none"])
-    p.add_argument("--param-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: the profile's dtype")
-    p.add_argument("--master-weights", action="store_true",
-                   help="keep fp32 master weights (mixed precision)")
+    p.add_argument("--precision", default=None, choices=list(PRECISIONS),
+                   help="static bytes per parameter: fp32 = 4+4+8 (params, grads, Adam), "
+                        "bf16/fp16 = 2+2+4 (torch AdamW on low-precision params), "
+                        "bf16-mixed/fp16-mixed = 2+4+4+8 (fp32 master weights, grads and "
+                        "Adam); default: plain training in the profile's dtype")
     p.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/S",
                    help="pipeline link bandwidth in GB/s (default: device spec, else 50)")
     p.add_argument("--link-latency-ms", type=float, default=None)
@@ -107,9 +109,8 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
     limit = parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
     if limit is None and spec is not None:
         limit = spec.memory_bytes
-    setup = {"optimizer": args.optimizer, "master_weights": args.master_weights}
-    dtype = args.param_dtype or profile.setup.dtype
-    setup.update(param_dtype=dtype, grad_dtype=dtype)
+    setup = {"optimizer": args.optimizer,
+             "precision": args.precision or default_precision(profile.setup.dtype)}
     if args.link_bandwidth is not None:
         setup["link_bandwidth_bytes_per_s"] = args.link_bandwidth * 1e9
     elif spec is not None:
@@ -142,6 +143,9 @@ def _print_table(plan: Plan, console: Console) -> None:
     console.print(table)
     console.print(f"predicted step: [bold]{plan.predicted_step_ms:.2f} ms[/], bubble "
                   f"{100 * plan.bubble_fraction:.1f}%  (solver: {_solver_text(plan)})")
+    console.print(f"static memory: {plan.setup.precision} precision, "
+                  f"{static_bytes_per_param(plan.setup)} B per parameter "
+                  f"({plan.setup.optimizer} optimizer)")
     for name, base in sorted(plan.baselines.items()):
         fits = "" if base.fits else "  [red]does not fit memory[/]"
         console.print(f"  vs {name:<10} {base.predicted_step_ms:10.2f} ms  ->  "

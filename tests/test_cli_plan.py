@@ -148,3 +148,16 @@ def test_infeasible_baseline_points_to_the_optimal_partition(tmp_path, capsys):
     assert main([*args, "--partition", "even", "--memory-limit", limit]) == 2
     assert "use --partition optimal" in _one_line_error(capsys)
     assert main([*args, "--memory-limit", limit, "--out", str(tmp_path / "p.json")]) == 0
+
+
+@pytest.mark.parametrize(("precision", "per_param"), [(None, 16), ("bf16-mixed", 18)])
+def test_plan_precision_sets_static_bytes(profile_path, tmp_path, capsys, precision,
+                                          per_param):
+    """The fp32 profile defaults to fp32 (16 B/param); a preset changes every stage's static."""
+    out_path = tmp_path / "plan.json"
+    extra = [] if precision is None else ["--precision", precision]
+    assert main(["plan", str(profile_path), "--pp", "2", "--microbatches", "4",
+                 "--schedule", "1f1b", "--out", str(out_path), *extra]) == 0
+    assert f"{per_param} B per parameter" in capsys.readouterr().out
+    plan = Plan.load(out_path)
+    assert all(s.static_bytes == per_param * s.param_count for s in plan.stages)

@@ -23,6 +23,8 @@ from autopart.schema import (
     SolverInfo,
     StagePlan,
     TrainingSetup,
+    precision_fields,
+    setup_fields_with_precision,
 )
 
 
@@ -147,6 +149,29 @@ def test_static_bytes_per_param():
     assert static_bytes_per_param(mixed) == 2 + 2 + 8 + 4
     sgd = TrainingSetup(pp_size=1, num_microbatches=1, optimizer="sgd")
     assert static_bytes_per_param(sgd) == 12
+
+
+@pytest.mark.parametrize(("precision", "per_param"), [
+    ("fp32", 4 + 4 + 8), ("bf16", 2 + 2 + 2 * 2), ("fp16", 2 + 2 + 2 * 2),
+    ("bf16-mixed", 2 + 4 + 4 + 8), ("fp16-mixed", 2 + 4 + 4 + 8)])
+def test_precision_presets_give_the_documented_bytes(precision, per_param):
+    """Hand-counted: params + grads + Adam's two states (+ fp32 master weights)."""
+    setup = TrainingSetup(pp_size=1, num_microbatches=1, **precision_fields(precision))
+    assert static_bytes_per_param(setup) == per_param
+    assert setup.precision == precision
+
+
+def test_precision_defaults_to_the_profile_dtype():
+    """A bf16 profile gets torch AdamW on bf16 parameters (8 B), not the old 12 B."""
+    fields = setup_fields_with_precision({"optimizer": "adam"}, "bfloat16")
+    assert static_bytes_per_param(TrainingSetup(pp_size=1, num_microbatches=1, **fields)) == 8
+    assert setup_fields_with_precision({}, "float32") == precision_fields("fp32")
+    explicit = setup_fields_with_precision({"param_dtype": "bfloat16"}, "float32")
+    assert explicit == {"param_dtype": "bfloat16"}
+    with pytest.raises(SchemaError, match="do not also give param_dtype"):
+        setup_fields_with_precision({"precision": "bf16", "param_dtype": "float32"}, "float32")
+    with pytest.raises(SchemaError, match="precision 'int8'"):
+        precision_fields("int8")
 
 
 def test_stage_cost_sums_blocks_and_boundaries():

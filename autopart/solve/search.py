@@ -20,7 +20,7 @@ from typing import Any
 from autopart.cost import BlockArrays, block_arrays
 from autopart.errors import PlanError, SchemaError
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info, stage_to_rank
-from autopart.schema import Plan, Profile, TrainingSetup
+from autopart.schema import Plan, Profile, TrainingSetup, setup_fields_with_precision
 from autopart.simulate import max_in_flight
 from autopart.solve import _explain
 from autopart.solve.assemble import Evaluated, evaluate_split, plan_from_split
@@ -91,7 +91,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     kinds unless ``cut_kinds`` is given, and its schedules. ``refine_evals`` bounds the
     local search's simulations per refined candidate (0 turns it off). ``ilp_time_limit_s``
     defaults to 60 s per ILP with ``solver="ilp"`` and 5 s with ``"auto"``.
-    ``setup_fields`` go to ``TrainingSetup`` (optimizer, dtypes, link figures, ...).
+    ``setup_fields`` go to ``TrainingSetup`` (optimizer, dtypes, link figures, ...);
+    ``precision`` (a ``PRECISIONS`` preset) sets the dtypes, by default the profile dtype's.
     ``progress(done, total, what)`` is called after each (schedule, v, m) is searched
     and once more after the local search. Raises ``PlanError`` for bad settings and
     ``InfeasibleError`` (with the memory that would fit) when nothing fits.
@@ -172,6 +173,10 @@ def _settings(profile: Profile, pp_size: int, num_microbatches: int | None,
                   if global_batch_size % m == 0}
     else:
         counts = {4 * pp_size: None}
+    try:
+        setup_fields = setup_fields_with_precision(setup_fields, profile.setup.dtype)
+    except SchemaError as exc:
+        raise PlanError(f"bad training setup: {exc}") from None
     out = {}
     for m, samples in counts.items():
         try:
