@@ -22,8 +22,8 @@ from autopart.simulate import (
     simulate,
     write_trace,
 )
-from autopart.simulate.compiled import _entry
-from autopart.simulate.engine import _run
+from autopart.simulate.compiled import compile_action
+from autopart.simulate.engine import run_compiled
 
 NO_LATENCY = TrainingSetup(pp_size=1, num_microbatches=1, link_latency_ms=0.0,
                            link_bandwidth_bytes_per_s=1e9)
@@ -273,9 +273,9 @@ def test_bad_trace_arguments() -> None:
 
 def test_deadlocked_order_is_an_internal_error() -> None:
     """A rank whose B precedes the F it needs never progresses: AssertionError, not a hang."""
-    plan = ((_entry("B", 0, 0, 0, [0], 1), _entry("F", 0, 0, 0, [0], 1)),)
+    plan = ((compile_action("B", 0, 0, 0, [0], 1), compile_action("F", 0, 0, 0, [0], 1)),)
     with pytest.raises(AssertionError, match="deadlocked"):
-        _run(plan, ([1.0], [1.0], [0.0]), [[0.0], [0.0]], 1, 1, None)
+        run_compiled(plan, ([1.0], [1.0], [0.0]), [[0.0], [0.0]], 1, 1, None)
 
 
 def test_simulate_plan_replays_a_hand_written_plan():

@@ -12,7 +12,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from autopart.schedules import schedule_info, stage_to_rank
-from autopart.simulate.orders import _groups
+from autopart.simulate.orders import action_groups
+
+__all__ = ["ACT", "BDONE", "GRAD", "KINDS", "compile_action", "compiled_plan"]
 
 KINDS = ("F", "B", "W")
 ACT, GRAD, BDONE = 0, 1, 2
@@ -33,11 +35,11 @@ def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
     num_stages = pp_size * virtual_stages
     rank_of = [stage_to_rank(s, pp_size, virtual_stages, style) for s in range(num_stages)]
     rows = []
-    for rank, groups in enumerate(_groups(schedule, pp_size, virtual_stages,
+    for rank, groups in enumerate(action_groups(schedule, pp_size, virtual_stages,
                                           num_microbatches)):
         row = []
         for grp in groups:
-            parts = [_entry(kind, s, mb, rank, rank_of, num_microbatches)
+            parts = [compile_action(kind, s, mb, rank, rank_of, num_microbatches)
                      for kind, s, mb in grp]
             if len(parts) > 1:
                 parts = _merge_group(parts)
@@ -46,7 +48,8 @@ def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
     return tuple(rows)
 
 
-def _entry(kind: str, s: int, mb: int, rank: int, rank_of: list[int], m: int) -> tuple:
+def compile_action(kind: str, s: int, mb: int, rank: int, rank_of: list[int], m: int
+                   ) -> tuple:
     """The compiled form of one action that is alone in its group."""
     num_stages = len(rank_of)
     n = num_stages * m

@@ -33,9 +33,9 @@ from autopart.errors import PlanError
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import TrainingSetup
 from autopart.simulate.compiled import KINDS, compiled_plan
-from autopart.simulate.orders import _max_in_flight, paused_gc
+from autopart.simulate.orders import max_in_flight, paused_gc
 
-__all__ = ["SimEvent", "SimResult", "simulate"]
+__all__ = ["SimEvent", "SimResult", "run_compiled", "simulate"]
 
 
 
@@ -107,7 +107,7 @@ def _simulate(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
     plan = compiled_plan(schedule, pp_size, virtual_stages, num_microbatches)
     durations = _durations(stage_costs, info.split_backward)
     events: list[tuple] | None = [] if record_events else None
-    busy, step_ms = _run(plan, durations, _comm_times(stage_costs, setup), num_stages,
+    busy, step_ms = run_compiled(plan, durations, _comm_times(stage_costs, setup), num_stages,
                          num_microbatches, events)
     idle = tuple(step_ms - b for b in busy)
     bubble = sum(idle) / (pp_size * step_ms) if step_ms > 0 else 0.0
@@ -118,8 +118,8 @@ def _simulate(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
         bubble_fraction=bubble,
         rank_peak_memory_bytes=_peak_memory(stage_costs, plan, info.split_backward,
                                             info.style, pp_size, virtual_stages),
-        stage_max_in_flight=_max_in_flight(schedule, pp_size, virtual_stages,
-                                           num_microbatches),
+        stage_max_in_flight=tuple(max_in_flight(schedule, pp_size, virtual_stages,
+                                                 num_microbatches)),
         events=tuple(SimEvent(*e) for e in events) if events else (),
     )
 
@@ -141,8 +141,8 @@ def _comm_times(stage_costs: Sequence[StageCost], setup: TrainingSetup) -> list[
     return [act, grad]
 
 
-def _run(plan, durations, comms, num_stages: int, m: int,
-         events: list[tuple] | None) -> tuple[list[float], float]:
+def run_compiled(plan, durations, comms, num_stages: int, m: int,
+                 events: list[tuple] | None) -> tuple[list[float], float]:
     """Advance every rank as far as its inputs allow; wake a rank when its input lands.
 
     Returns per-rank busy time and the step time; appends compute events, then

@@ -21,7 +21,7 @@ from autopart.errors import PlanError
 from autopart.schedules import check_schedule, schedule_info
 from autopart.simulate._torch_orders import Group, torch_groups
 
-__all__ = ["Action", "max_in_flight", "rank_orders"]
+__all__ = ["Action", "action_groups", "max_in_flight", "paused_gc", "rank_orders"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ def rank_orders(schedule: str, pp_size: int, virtual_stages: int,
     Raises ``PlanError`` when torch's class for ``schedule`` rejects the settings.
     """
     return [[Action(*a) for grp in row for a in grp]
-            for row in _groups(schedule, pp_size, virtual_stages, num_microbatches)]
+            for row in action_groups(schedule, pp_size, virtual_stages, num_microbatches)]
 
 
 def max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
@@ -65,7 +65,7 @@ def _max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
     num_stages = pp_size * virtual_stages
     held = [0] * num_stages
     peak = [0] * num_stages
-    for row in _groups(schedule, pp_size, virtual_stages, num_microbatches):
+    for row in action_groups(schedule, pp_size, virtual_stages, num_microbatches):
         for grp in row:
             for kind, stage, _ in grp:
                 if kind == "F":
@@ -78,9 +78,15 @@ def _max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
 
 
 @lru_cache(maxsize=16)
-def _groups(schedule: str, pp_size: int, virtual_stages: int,
-            num_microbatches: int) -> tuple[tuple[Group, ...], ...]:
-    """Per rank, the compute groups (one torch action each) in order; validated, cached."""
+def action_groups(schedule: str, pp_size: int, virtual_stages: int,
+                  num_microbatches: int) -> tuple[tuple[Group, ...], ...]:
+    """Per rank, the compute groups in run order; validated and cached.
+
+    A group is one torch action: usually one ``(kind, stage_idx, microbatch_idx)``,
+    several where torch runs them as one (a full backward ``B W`` in split
+    schedules, DualPipeV's overlapped ``F B W``). Raises ``PlanError`` when torch's
+    class for ``schedule`` rejects the settings.
+    """
     if pp_size < 1 or virtual_stages < 1 or num_microbatches < 1:
         raise PlanError(f"pp_size ({pp_size}), virtual_stages ({virtual_stages}) and "
                         f"num_microbatches ({num_microbatches}) must all be >= 1")

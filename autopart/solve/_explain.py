@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from autopart.errors import InfeasibleError
 from autopart.schedules import schedule_info, stage_to_rank
@@ -11,6 +10,8 @@ from autopart.schema import Profile
 from autopart.simulate import max_in_flight
 from autopart.solve.assemble import Evaluated
 from autopart.solve.dp import min_fitting_limit
+from autopart.solve.records import Candidate, Config, Options
+from autopart.solve.setting import Setting
 
 _GIB = float(1 << 30)
 _MAX_CONFIGS_FOR_MESSAGE = 16
@@ -80,20 +81,24 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def infeasible(settings: dict, configs: Sequence[tuple[str, int, int]],
-               found: Sequence[tuple[Evaluated, Any]], pp_size: int, limit: int | None,
-               partition: str, allow_recompute: bool) -> InfeasibleError:
+def infeasible(settings: Mapping[int, Setting], configs: Sequence[Config],
+               found: Sequence[Candidate], options: Options) -> InfeasibleError:
     """The error to raise when no candidate fits: it names the memory that would fit."""
     need, where = None, ""
-    for name, num_virtual, m in list(configs)[:_MAX_CONFIGS_FOR_MESSAGE]:
-        in_flight = max_in_flight(name, pp_size, num_virtual, m)
-        value = min_fitting_limit(settings[m].chain, in_flight=in_flight,
-                                  num_virtual=num_virtual, allow_recompute=allow_recompute)
+    pp_size = configs[0].pp_size
+    limit = next(iter(settings.values())).setup.memory_limit_bytes
+    partition = options.partition
+    for config in list(configs)[:_MAX_CONFIGS_FOR_MESSAGE]:
+        in_flight = max_in_flight(config.schedule, pp_size, config.virtual_stages,
+                                  config.num_microbatches)
+        value = min_fitting_limit(settings[config.num_microbatches].chain,
+                                  in_flight=in_flight, num_virtual=config.virtual_stages,
+                                  allow_recompute=options.allow_recompute)
         if need is None or value < need:
-            need, where = value, f"{name}, v={num_virtual}, m={m}"
+            need, where = value, config.label.replace(" ", ", ")
     limit_text = "no limit" if limit is None else f"{limit} bytes ({_size(limit)})"
     message = f"no plan fits the per-device memory limit of {limit_text} with pp_size={pp_size}"
-    peaks = [ev.peak_memory_bytes for ev, _ in found]
+    peaks = [c.evaluated.peak_memory_bytes for c in found]
     if partition != "optimal" and peaks:
         message += f"; the {partition} split needs {min(peaks)} bytes ({_size(min(peaks))})"
     if partition != "optimal" and limit is not None and need <= limit:

@@ -1,0 +1,100 @@
+"""One proposer per method: each turns a ``Setting`` and a ``Config`` into simulated
+``Candidate`` splits (an empty list when the method finds none that fits)."""
+
+from __future__ import annotations
+
+from autopart.errors import PlanError
+from autopart.schedules import schedule_info, stage_to_rank
+from autopart.schema import SolverInfo
+from autopart.simulate import max_in_flight
+from autopart.solve.baselines import BASELINES, baseline_split
+from autopart.solve.dp import solve_dp
+from autopart.solve.ilp import solve_ilp
+from autopart.solve.records import Candidate, Config, Options
+from autopart.solve.refine import legal
+from autopart.solve.setting import Setting
+
+__all__ = ["propose", "propose_baselines", "propose_dp", "propose_ilp"]
+
+ILP_AUTO_MAX_CELLS = 2048
+"""``solver="auto"`` adds the ILP for v > 1 when blocks x stages is at most this."""
+
+
+def propose(setting: Setting, config: Config, options: Options) -> list[Candidate]:
+    """Every candidate ``options`` asks for under ``config``.
+
+    A baseline ``partition`` gives that split alone. ``optimal`` gives the solvers'
+    splits, then the baselines as seeds for the local search (listed after the
+    solvers so that ties credit the solvers).
+    """
+    if options.partition != "optimal":
+        bounds = baseline_split(options.partition, setting.profile.blocks, config.num_stages)
+        return [Candidate(setting.evaluate(config, bounds),
+                          SolverInfo(name=options.partition, status="heuristic"))]
+    out = []
+    if options.solver in ("auto", "dp"):
+        out += propose_dp(setting, config, options)
+    cells = setting.chain.num_blocks * config.num_stages
+    if options.solver == "ilp" or (options.solver == "auto" and config.virtual_stages > 1
+                                   and cells <= ILP_AUTO_MAX_CELLS):
+        out += propose_ilp(setting, config, options)
+    return out + propose_baselines(setting, config)
+
+
+def _recompute_allowed(config: Config, options: Options) -> bool:
+    """Split-backward schedules run B and W as separate autograd passes, and each pass
+    re-runs a checkpointed stage's forward: recomputation costs several forwards there."""
+    return options.allow_recompute and not schedule_info(config.schedule).split_backward
+
+
+def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candidate]:
+    """The DP's split (exact for its closed form: one stage per rank's slowest stage)."""
+    in_flight = max_in_flight(config.schedule, config.pp_size, config.virtual_stages,
+                              config.num_microbatches)
+    limit = setting.setup.memory_limit_bytes
+    per_stage = None if limit is None else limit / config.virtual_stages
+    v = config.virtual_stages
+    dp = solve_dp(setting.chain, num_stages=config.num_stages, in_flight=in_flight,
+                  limits_bytes=[per_stage] * config.num_stages,
+                  weight=v * v * (config.num_microbatches - 1),
+                  allow_recompute=_recompute_allowed(config, options))
+    if dp is None:
+        return []
+    ev = setting.evaluate(config, setting.unfuse(dp.bounds), dp.recompute)
+    return [Candidate(ev, SolverInfo(name="dp", status="optimal", gap=0.0,
+                                     objective_ms=dp.objective_ms))]
+
+
+def propose_ilp(setting: Setting, config: Config, options: Options) -> list[Candidate]:
+    """The ILP's split (exact rank sums for v > 1). Under ``solver="auto"`` only a
+    proven optimum counts: an incumbent cut off by a time limit depends on machine
+    speed, and plans must be the same run to run."""
+    style = schedule_info(config.schedule).style
+    ranks = [stage_to_rank(s, config.pp_size, config.virtual_stages, style)
+             for s in range(config.num_stages)]
+    in_flight = max_in_flight(config.schedule, config.pp_size, config.virtual_stages,
+                              config.num_microbatches)
+    try:
+        ilp = solve_ilp(setting.chain, stage_ranks=ranks, in_flight=in_flight,
+                        num_microbatches=config.num_microbatches,
+                        limit_bytes=setting.setup.memory_limit_bytes,
+                        allow_recompute=_recompute_allowed(config, options),
+                        backend=options.ilp_backend, time_limit_s=options.ilp_time_limit_s)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if ilp is None or (options.solver != "ilp" and ilp.status != "optimal"):
+        return []
+    ev = setting.evaluate(config, setting.unfuse(ilp.bounds), ilp.recompute)
+    return [Candidate(ev, SolverInfo(name="ilp", status=ilp.status, gap=ilp.gap,
+                                     backend=ilp.backend, objective_ms=ilp.objective_ms))]
+
+
+def propose_baselines(setting: Setting, config: Config) -> list[Candidate]:
+    """Every public baseline split whose cuts are allowed, as seeds."""
+    out = []
+    for name in BASELINES:
+        bounds = tuple(baseline_split(name, setting.profile.blocks, config.num_stages))
+        if legal(bounds, setting.allowed):
+            out.append(Candidate(setting.evaluate(config, bounds),
+                                 SolverInfo(name=name, status="baseline")))
+    return out

@@ -1,0 +1,141 @@
+"""The search's inputs per microbatch count (``Setting``) and its grid of ``Config``s."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopart.cost import BlockArrays, block_arrays
+from autopart.errors import PlanError, SchemaError
+from autopart.schedules import SCHEDULES, check_schedule, schedule_info
+from autopart.schema import Profile, TrainingSetup, setup_fields_with_precision
+from autopart.solve.assemble import Evaluated, evaluate_split
+from autopart.solve.chain import Chain, build_chain
+from autopart.solve.records import Config
+from autopart.solve.refine import allowed_cuts, fuse_blocks
+
+__all__ = ["AUTO_VIRTUAL", "Setting", "build_settings", "search_configs"]
+
+AUTO_VIRTUAL = (2, 4, 8)
+"""The virtual-stage counts ``virtual_stages="auto"`` tries for multi-stage schedules."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One microbatch count: the (possibly rescaled) profile and its solver inputs."""
+
+    profile: Profile
+    """The profile, its per-microbatch costs rescaled when m varies the micro batch size."""
+    setup: TrainingSetup
+    """The training setup at this m."""
+    arrays: BlockArrays
+    """Per-block cost arrays of ``profile`` (the simulator's input)."""
+    chain: Chain
+    """The solvers' chain, over fused blocks when cuts are restricted."""
+    starts: tuple[int, ...]
+    """Original block position of every fused block of ``chain`` (plus ``n``)."""
+    allowed: tuple[bool, ...]
+    """``allowed[j]``: a stage may end after block ``j - 1``."""
+
+    def unfuse(self, bounds: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """Fused-chain bounds -> bounds over the original blocks."""
+        return tuple((self.starts[i], self.starts[j]) for i, j in bounds)
+
+    def evaluate(self, config: Config, bounds: Sequence[tuple[int, int]],
+                 recompute: Sequence[bool] | None = None) -> Evaluated:
+        """Simulate the split ``bounds`` (original blocks) under ``config``."""
+        return evaluate_split(self.arrays, self.setup, schedule=config.schedule,
+                              pp_size=config.pp_size, virtual_stages=config.virtual_stages,
+                              num_microbatches=config.num_microbatches, bounds=bounds,
+                              recompute=recompute)
+
+
+def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
+                   global_batch_size: int | None, memory_limit_bytes: int | None,
+                   setup_fields: dict[str, Any], cut_kinds: Sequence[str] | None
+                   ) -> dict[int, Setting]:
+    """One ``Setting`` per candidate microbatch count (see ``make_plan`` for the rules)."""
+    if num_microbatches is not None:
+        counts = {num_microbatches: None}
+    elif global_batch_size is not None:
+        if global_batch_size < 1:
+            raise PlanError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        counts = {m: global_batch_size // m for m in range(1, global_batch_size + 1)
+                  if global_batch_size % m == 0}
+    else:
+        counts = {4 * pp_size: None}
+    try:
+        setup_fields = setup_fields_with_precision(setup_fields, profile.setup.dtype)
+    except SchemaError as exc:
+        raise PlanError(f"bad training setup: {exc}") from None
+    out = {}
+    for m, samples in counts.items():
+        try:
+            setup = TrainingSetup(pp_size=pp_size, num_microbatches=m,
+                                  memory_limit_bytes=memory_limit_bytes, **setup_fields)
+        except (TypeError, SchemaError) as exc:
+            raise PlanError(f"bad training setup: {exc}") from None
+        scaled = profile if samples is None else rescaled(profile, samples)
+        if cut_kinds is not None and not any(b.kind in cut_kinds for b in scaled.blocks):
+            raise PlanError(f"the profile of {profile.model.name!r} has no {'/'.join(cut_kinds)} "
+                            f"blocks to cut after; this export needs an HF decoder-only model")
+        allowed = allowed_cuts(scaled, cut_kinds)
+        fused, starts = fuse_blocks(scaled, allowed)
+        if len(fused.blocks) < pp_size:
+            raise PlanError(f"only {len(fused.blocks)} cut positions allow {cut_kinds} cuts, "
+                            f"fewer than pp_size ({pp_size}); lower --pp")
+        out[m] = Setting(scaled, setup, block_arrays(scaled, setup),
+                         build_chain(block_arrays(fused, setup), setup), tuple(starts),
+                         tuple(allowed))
+    return out
+
+
+def rescaled(profile: Profile, micro_batch_size: int) -> Profile:
+    """The profile with per-microbatch times and activations scaled to a new batch size."""
+    factor = micro_batch_size / profile.setup.micro_batch_size
+    if factor == 1:
+        return profile
+    blocks = tuple(dataclasses.replace(
+        b, fwd_ms=b.fwd_ms * factor, bwd_ms=b.bwd_ms * factor,
+        bwd_input_ms=b.bwd_input_ms * factor, bwd_weight_ms=b.bwd_weight_ms * factor,
+        activation_bytes=round(b.activation_bytes * factor),
+        output_bytes=round(b.output_bytes * factor),
+        transient_bytes=round(b.transient_bytes * factor)) for b in profile.blocks)
+    setup = dataclasses.replace(profile.setup, micro_batch_size=micro_batch_size)
+    return dataclasses.replace(profile, blocks=blocks, setup=setup)
+
+
+def search_configs(num_units: int, pp_size: int, schedule: str | Sequence[str],
+                   virtual_stages: int | str, counts: Sequence[int]) -> list[Config]:
+    """Every (schedule, v, m) torch accepts; raises the first reason when none is left."""
+    if isinstance(schedule, str):
+        names = list(SCHEDULES) if schedule == "auto" else [schedule_info(schedule).name]
+    else:
+        names = [schedule_info(name).name for name in schedule]
+    configs, reasons = [], []
+    for name in names:
+        info = SCHEDULES[name]
+        if virtual_stages != "auto":
+            options = [virtual_stages]
+        elif info.fixed_virtual_stages is not None:
+            options = [info.fixed_virtual_stages]
+        else:
+            options = list(AUTO_VIRTUAL)
+        for num_virtual in options:
+            if pp_size * num_virtual > num_units:
+                reasons.append(f"{name} with v={num_virtual} needs {pp_size * num_virtual} "
+                               f"stages, the profile allows {num_units} (blocks, or cut "
+                               f"positions under cut_kinds); lower --pp or --virtual-stages")
+                continue
+            for m in counts:
+                try:
+                    check_schedule(name, pp_size, num_virtual, m)
+                except PlanError as exc:
+                    reasons.append(str(exc))
+                    continue
+                configs.append(Config(name, pp_size, num_virtual, m))
+    if not configs:
+        raise PlanError(reasons[0] if reasons else f"no schedule fits pp_size={pp_size}")
+    return configs
