@@ -54,14 +54,20 @@ class StageCost:
         return self.bwd_input_ms + self.bwd_weight_ms
 
 
-def static_bytes_per_param(setup: TrainingSetup) -> int:
-    """Bytes of parameters + gradients + optimizer state (+ master copy) per parameter."""
-    per_param = DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype]
+def static_bytes_per_param(setup: TrainingSetup) -> float:
+    """Bytes of parameters + gradients + optimizer state (+ master copy) per parameter.
+
+    Under ZeRO-1 (``setup.zero_stage == 1``) the optimizer state and the master copy
+    are split over the ``dp_size`` replicas, so the figure can be fractional.
+    """
     num_states = {"adam": 2, "sgd": 1, "none": 0}[setup.optimizer]
-    per_param += num_states * DTYPE_BYTES[setup.optimizer_dtype]
+    sharded = num_states * DTYPE_BYTES[setup.optimizer_dtype]
     if setup.master_weights and setup.param_dtype != "float32":
-        per_param += 4
-    return per_param
+        sharded += 4
+    if setup.zero_stage == 1 and setup.dp_size > 1:
+        return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + \
+            sharded / setup.dp_size
+    return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + sharded
 
 
 def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:
@@ -120,7 +126,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
     bwd_in = np.array([b.bwd_input_ms for b in blocks], dtype=np.float64)
     bwd_w = np.array([b.bwd_weight_ms for b in blocks], dtype=np.float64)
     num_params = np.array([b.num_params for b in blocks], dtype=np.int64)
-    static = num_params * per_param
+    static = np.round(num_params * per_param).astype(np.int64)
     act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
     out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
     transient = np.array([b.transient_bytes for b in blocks], dtype=np.int64)

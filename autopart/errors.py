@@ -40,6 +40,11 @@ class PlanError(AutopartError):
 class InfeasibleError(PlanError):
     """No plan fits the memory limit; the message says what would fit."""
 
+    def __init__(self, message: str, needed_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        """The smallest per-device limit that fits, when the planner worked it out."""
+
 
 class RuntimeSetupError(AutopartError):
     """The runtime cannot run this plan here (world size, fingerprint, loss_fn, ...)."""

@@ -56,7 +56,9 @@ def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
 
     Returns:
         ``pipeline_cuts``, ``virtual_pipeline_size``, ``num_microbatches``,
-        ``pipeline_parallel_size``, ``transformer_layer_cls`` and ``leaf_module_cls``.
+        ``pipeline_parallel_size``, ``transformer_layer_cls``, ``leaf_module_cls``, and
+        the mesh for ``initialize_model_parallel``: ``tensor_model_parallel_size`` and
+        ``pipeline_model_parallel_size``.
 
     Raises:
         PlanError: NxD cannot run the plan (see ``autopart.targets``).
@@ -68,7 +70,9 @@ def to_nxd(plan: Plan, profile: Profile) -> dict[str, object]:
                        if b.class_name.endswith(_NORM_LEAF_CLASSES)})
     return {"pipeline_cuts": cuts, "virtual_pipeline_size": plan.virtual_stages,
             "num_microbatches": plan.num_microbatches, "pipeline_parallel_size": plan.pp_size,
-            "transformer_layer_cls": layer_cls, "leaf_module_cls": leaf_cls}
+            "transformer_layer_cls": layer_cls, "leaf_module_cls": leaf_cls,
+            "tensor_model_parallel_size": plan.tp_size,
+            "pipeline_model_parallel_size": plan.pp_size}
 
 
 def nxd_snippet(plan: Plan, profile: Profile) -> str:
@@ -79,6 +83,7 @@ def nxd_snippet(plan: Plan, profile: Profile) -> str:
     lines = [
         (f"# autopart plan for {plan.model_name or 'the model'}: pp={plan.pp_size}, "
         f"{plan.schedule}, predicted {plan.predicted_step_ms:.1f} ms/step"),
+        *_nxd_mesh_lines(plan, args),
         f"pipeline_cuts = {json.dumps(args['pipeline_cuts'])}",
         "model = NxDPPModel(",
         "    model,",
@@ -203,6 +208,7 @@ def export_plan(plan: Plan, profile: Profile, fmt: str, *, module_names: str = "
     if fmt == "torchtitan":
         torch_class = schedule_info(plan.schedule).torch_class
         return json.dumps({"parallelism": {
+            **_torchtitan_mesh(plan),
             "pipeline_parallel_degree": plan.pp_size,
             "pipeline_parallel_schedule": torch_class.removeprefix("Schedule"),
             "pipeline_parallel_microbatch_size": plan.micro_batch_size
@@ -212,9 +218,43 @@ def export_plan(plan: Plan, profile: Profile, fmt: str, *, module_names: str = "
     if fmt == "megatron":
         # Megatron derives the virtual pipeline size from the number of stages in the layout.
         layout = to_megatron_layout(plan, profile)
-        return (f"--pipeline-model-parallel-size {plan.pp_size} "
+        return (_megatron_mesh_flags(plan) + f"--pipeline-model-parallel-size {plan.pp_size} "
                 f"--pipeline-model-parallel-layout \"{layout}\"\n")
     raise AssertionError(f"no exporter for target {fmt!r}")
+
+
+def _nxd_mesh_lines(plan: Plan, args: dict[str, object]) -> list[str]:
+    """NxD's ``initialize_model_parallel`` call, for plans with a tp x pp x dp mesh."""
+    if plan.tp_size == 1 and plan.dp_size == 1:
+        return []
+    return [f"# mesh: tp={plan.tp_size} x pp={plan.pp_size} x dp={plan.dp_size} "
+            f"({plan.tp_size * plan.pp_size * plan.dp_size} NeuronCores)",
+            "parallel_state.initialize_model_parallel(",
+            f"    tensor_model_parallel_size={args['tensor_model_parallel_size']},",
+            f"    pipeline_model_parallel_size={args['pipeline_model_parallel_size']},",
+            ")"]
+
+
+def _megatron_mesh_flags(plan: Plan) -> str:
+    """Megatron's TP flags (sequence parallel, as planned) and ZeRO-1 flag."""
+    flags = ""
+    if plan.tp_size > 1:
+        flags += f"--tensor-model-parallel-size {plan.tp_size} --sequence-parallel "
+    if plan.zero_stage == 1:
+        flags += "--use-distributed-optimizer "
+    return flags
+
+
+def _torchtitan_mesh(plan: Plan) -> dict[str, int]:
+    """torchtitan's TP and DP degrees; refuses ZeRO-1, which torchtitan lacks."""
+    if plan.zero_stage == 1:
+        raise PlanError("torchtitan has no ZeRO-1 (its data_parallel_shard_degree is FSDP, "
+                        "which shards parameters too); plan with --zero 0 for torchtitan")
+    if plan.tp_size == 1 and plan.dp_size == 1:
+        return {}
+    return {"tensor_parallel_degree": plan.tp_size,
+            "data_parallel_replicate_degree": plan.dp_size,
+            "data_parallel_shard_degree": 1}
 
 
 def _kinds(profile: Profile) -> dict[str, str]:

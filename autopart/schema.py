@@ -203,8 +203,15 @@ class TrainingSetup:
     link_bandwidth_bytes_per_s: float = 50e9
     link_latency_ms: float = 0.01
     dp_size: int = 1
+    """Data-parallel replicas; with ``zero_stage`` 1 they share the optimizer state."""
+    zero_stage: int = 0
+    """1: ZeRO-1, each replica keeps 1 / dp_size of the optimizer state (and master
+    weights); 0: every replica keeps all of it."""
 
     def __post_init__(self) -> None:
+        if self.dp_size < 1 or self.zero_stage not in (0, 1):
+            raise SchemaError(f"dp_size ({self.dp_size}) must be >= 1 and zero_stage "
+                              f"({self.zero_stage}) 0 or 1")
         if self.pp_size < 1:
             raise SchemaError(f"pp_size must be >= 1, got {self.pp_size}")
         if self.num_microbatches < 1:
@@ -401,6 +408,9 @@ class Plan(JsonFile):
     """Data-parallel replicas of the whole pipeline; the mesh is tp x pp x dp devices."""
     zero_stage: int = 0
     """1: optimizer state sharded across the dp replicas (ZeRO-1); 0: replicated."""
+    grad_sync_ms: float = 0.0
+    """Data-parallel gradient all-reduce time that runs past the pipeline's end; the
+    predicted step with data parallelism is ``predicted_step_ms + grad_sync_ms``."""
 
     def __post_init__(self) -> None:
         # Plans come from users' files: check with exceptions, which ``python -O`` keeps.

@@ -23,8 +23,10 @@ from autopart.schedules import SCHEDULES
 from autopart.schema import PRECISIONS, Plan, Profile, default_precision
 from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
+from autopart.solve.mesh import plan_mesh
 
 from ._format import gib, parse_bytes, summarize_modules
+from ._mesh import mesh_kwargs, print_mesh_table
 from ._progress import progress_bar
 
 
@@ -35,11 +37,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "every device's memory, and compare it with the even, "
                                    "parameter-balanced and torchtitan splits.")
     p.add_argument("profile", help="profile JSON written by `autopart profile`")
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
+    p.add_argument("--pp", default=None,
+                   help="pipeline-parallel size (ranks); with --devices also auto (default)")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="plan the tp x pp x dp mesh of N devices (node size and links from "
+                        "profiles/devices.json)")
+    p.add_argument("--tp", default="auto", help="with --devices: tensor-parallel size or auto")
+    p.add_argument("--dp", default="auto", help="with --devices: data-parallel size or auto")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                   help="with --devices: 1 shards optimizer state across dp (ZeRO-1)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-size", type=int, default=None, metavar="B",
-                       help="samples per step per data-parallel replica; m is searched "
-                            "among its divisors")
+                       help="samples per step (per data-parallel replica without "
+                            "--devices, over all replicas with it); m is searched among "
+                            "the divisors")
     batch.add_argument("--microbatches", type=int, default=None, metavar="M",
                        help="fix the number of microbatches (default: 4 x pp)")
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
@@ -77,8 +88,13 @@ def run(args: argparse.Namespace) -> int:
             check_writable(path)
     profile = Profile.load(args.profile)
     kwargs = _plan_kwargs(args, profile)
+    mesh = None
     with progress_bar("searching") as progress:
-        plan = make_plan(profile, progress=progress, **kwargs)
+        if args.devices is not None:
+            mesh = plan_mesh(profile, progress=progress, **kwargs)
+            plan = mesh.plan
+        else:
+            plan = make_plan(profile, progress=progress, **kwargs)
     if args.out:
         plan.save(args.out)
     if args.trace:
@@ -90,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
                                      module_names=args.module_names))
     else:
         console = Console(width=None if sys.stdout.isatty() else 140)
+        if mesh is not None:
+            print_mesh_table(mesh, console)
         _print_table(plan, console)
         if args.out:
             console.print(f"plan written to {args.out}")
@@ -97,8 +115,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
-    if args.pp < 1:
-        raise PlanError(f"--pp must be >= 1, got {args.pp}")
+    if args.devices is None:
+        if args.pp is None:
+            raise PlanError("give --pp N, or --devices N to plan the tp x pp x dp mesh")
+        if args.tp != "auto" or args.dp != "auto" or args.zero:
+            raise PlanError("--tp, --dp and --zero need --devices N (the number of devices)")
+        if not args.pp.isdigit() or int(args.pp) < 1:
+            raise PlanError(f"--pp must be >= 1, got {args.pp}")
     virtual = args.virtual_stages
     if virtual != "auto":
         if not virtual.isdigit() or int(virtual) < 1:
@@ -119,15 +142,25 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
         setup["link_latency_ms"] = args.link_latency_ms
     elif spec is not None:
         setup["link_latency_ms"] = spec.link_latency_ms
-    return {"pp_size": args.pp, "num_microbatches": args.microbatches,
-            "global_batch_size": args.global_batch_size, "schedule": args.schedule,
-            "target": args.format if args.format in FORMATS else None,
-            "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
-            "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute, **setup}
+    common = {"num_microbatches": args.microbatches,
+              "global_batch_size": args.global_batch_size, "schedule": args.schedule,
+              "target": args.format if args.format in FORMATS else None,
+              "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
+              "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute, **setup}
+    if args.devices is not None:
+        if args.link_bandwidth is not None or args.link_latency_ms is not None:
+            raise PlanError("--link-bandwidth and --link-latency-ms apply to --pp alone; with "
+                            "--devices the intra- and inter-node links come from "
+                            "profiles/devices.json")
+        for key in ("link_bandwidth_bytes_per_s", "link_latency_ms"):
+            common.pop(key, None)  # the mesh picks intra- or inter-node links itself
+        return {**common, **mesh_kwargs(args, device)}
+    return {"pp_size": int(args.pp), **common}
 
 
 def _print_table(plan: Plan, console: Console) -> None:
-    table = Table(title=f"{plan.model_name}: pp={plan.pp_size}, {plan.schedule}, "
+    mesh = f"tp={plan.tp_size}, dp={plan.dp_size}, " if plan.tp_size * plan.dp_size > 1 else ""
+    table = Table(title=f"{plan.model_name}: {mesh}pp={plan.pp_size}, {plan.schedule}, "
                         f"v={plan.virtual_stages}, m={plan.num_microbatches}")
     for column in ("rank", "stage", "modules", "F ms", "B ms", "recompute", "memory", "busy ms"):
         table.add_column(column, justify="left" if column == "modules" else "right")
@@ -143,8 +176,12 @@ def _print_table(plan: Plan, console: Console) -> None:
     console.print(table)
     console.print(f"predicted step: [bold]{plan.predicted_step_ms:.2f} ms[/], bubble "
                   f"{100 * plan.bubble_fraction:.1f}%  (solver: {_solver_text(plan)})")
+    if plan.dp_size > 1:
+        console.print(f"  + data-parallel gradient sync past the drain {plan.grad_sync_ms:.2f} "
+                      f"ms = [bold]{plan.predicted_step_ms + plan.grad_sync_ms:.2f} ms[/] "
+                      f"per step")
     console.print(f"static memory: {plan.setup.precision} precision, "
-                  f"{static_bytes_per_param(plan.setup)} B per parameter "
+                  f"{static_bytes_per_param(plan.setup):g} B per parameter "
                   f"({plan.setup.optimizer} optimizer)")
     for name, base in sorted(plan.baselines.items()):
         fits = "" if base.fits else "  [red]does not fit memory[/]"

@@ -211,3 +211,29 @@ def test_make_plan_for_a_target_exports_without_further_rules():
 def test_unknown_format():
     with pytest.raises(PlanError, match="unknown export format"):
         export_plan(_plan([4, 5]), _profile(), "deepspeed")
+
+
+def test_exports_carry_the_mesh():
+    """A tp 2 x pp 2 x dp 2 plan: each tool gets its own TP / PP flags, checked by hand."""
+    plan = dataclasses.replace(_plan([4, 5]), tp_size=2, dp_size=2)
+    args = to_nxd(plan, _profile())
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (2, 2)
+    snippet = export_plan(plan, _profile(), "nxd")
+    assert "tensor_model_parallel_size=2," in snippet
+    assert "pipeline_model_parallel_size=2," in snippet
+    assert export_plan(plan, _profile(), "megatron").startswith(
+        "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 ")
+    titan = json.loads(export_plan(plan, _profile(), "torchtitan"))["parallelism"]
+    assert (titan["tensor_parallel_degree"], titan["pipeline_parallel_degree"],
+            titan["data_parallel_replicate_degree"]) == (2, 2, 2)
+    zero = dataclasses.replace(plan, zero_stage=1)
+    assert "--use-distributed-optimizer" in export_plan(zero, _profile(), "megatron")
+    with pytest.raises(PlanError, match="torchtitan has no ZeRO-1"):
+        export_plan(zero, _profile(), "torchtitan")
+
+
+def test_exports_without_a_mesh_are_unchanged():
+    plan = _plan([4, 5])
+    assert "initialize_model_parallel" not in export_plan(plan, _profile(), "nxd")
+    assert export_plan(plan, _profile(), "megatron").startswith("--pipeline-model-parallel")
+    assert "tensor_parallel_degree" not in export_plan(plan, _profile(), "torchtitan")

@@ -10,14 +10,25 @@ from typing import Any
 from autopart._data import data_path
 from autopart.errors import ProfileError
 
-__all__ = ["BACKENDS", "BackendName", "DeviceSpec", "list_devices", "load_device_spec",
-           "parse_backend"]
+__all__ = ["BACKENDS", "BackendName", "DeviceSpec", "LinkSpec", "list_devices",
+           "load_device_spec", "parse_backend"]
 
 BACKENDS = ("cpu", "cuda", "xla")
 """The measuring backends; ``analytical:<device>`` estimates instead."""
 
 _REQUIRED = ("name", "peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes",
              "link_bandwidth_bytes_per_s", "link_latency_ms", "source")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """One interconnect as a collective sees it, per device and direction."""
+
+    bandwidth_bytes_per_s: float
+    latency_ms: float
+    """Cost of one step of a ring collective."""
+    source: str = ""
+    """Where the bandwidth comes from (datasheet URL)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +54,12 @@ class DeviceSpec:
     """Fraction of peak memory bandwidth reached by real kernels."""
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    node_size: int = 1
+    """Devices per node: tensor parallelism stays within one."""
+    intra_node: LinkSpec | None = None
+    """The link between devices of one node (NVLink/NVSwitch, NeuronLink)."""
+    inter_node: LinkSpec | None = None
+    """The link between nodes, per device (InfiniBand, EFA)."""
 
     def op_time_s(self, flops: float, num_bytes: float, dtype: str) -> float:
         """Roofline time of one op: ``max(flops / (peak * eff), bytes / (bandwidth * eff))``."""
@@ -123,7 +140,17 @@ def load_device_spec(name: str) -> DeviceSpec:
         compute_efficiency=float(eff.get("compute", 0.6)),
         memory_efficiency=float(eff.get("memory", 0.8)),
         notes=entry.get("notes", ""),
+        node_size=int(entry.get("node_size", 1)),
+        intra_node=_link(entry.get("intra_node")),
+        inter_node=_link(entry.get("inter_node")),
     )
+
+
+def _link(entry: dict[str, Any] | None) -> LinkSpec | None:
+    if entry is None:
+        return None
+    return LinkSpec(bandwidth_bytes_per_s=float(entry["bandwidth_bytes_per_s"]),
+                    latency_ms=float(entry["latency_ms"]), source=entry.get("source", ""))
 
 
 def _read() -> dict[str, Any]:

@@ -107,4 +107,4 @@ def infeasible(settings: Mapping[int, Setting], configs: Sequence[Config],
         message += (f"; the smallest limit that fits is {need} bytes ({_size(need)}, {where}, "
                     f"optimal partition); raise the memory limit, raise --pp or lower the "
                     f"micro batch size")
-    return InfeasibleError(message)
+    return InfeasibleError(message, needed_bytes=need)

@@ -1,0 +1,249 @@
+"""Search the tp x pp x dp mesh around the pipeline search; the public ``plan_mesh``.
+
+For every mesh with ``tp`` dividing the node size and ``tp * pp * dp == devices``, the
+profile is sharded for TP (``autopart.mesh_cost.shard_profile``), the pipeline link is
+the intra-node one while the whole mesh fits in one node and the inter-node one
+otherwise, and ``make_plan`` searches schedule, v, m, cuts and recompute within memory
+as it does for ``--pp`` alone, with ``global_batch_size / dp`` samples per replica.
+
+Rank order is (pp, dp, tp), tp fastest (the runtime's DeviceMesh): a dp group spans
+``tp * dp`` consecutive devices and stays in one node when that is at most the node size.
+
+Data parallelism adds the gradient ring all-reduce of each pipeline rank's gradients
+(ZeRO-1: a reduce-scatter of the gradients and an all-gather of the parameters, the
+same volume). It overlaps the pipeline drain: rank r starts when its own last backward
+ends, so only what runs past the pipeline's end adds to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autopart.errors import InfeasibleError, PlanError
+from autopart.mesh_cost import ring_all_reduce_ms, shard_profile, tp_comm_ms_per_block
+from autopart.profile.devices import DeviceSpec
+from autopart.schema import DTYPE_BYTES, Plan, Profile
+from autopart.simulate import simulate_plan
+from autopart.solve.search import make_plan
+
+__all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshCandidate:
+    """One mesh, planned (or refused) under the same settings as the others."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    plan: Plan | None
+    """The pipeline plan of this mesh; ``None`` when nothing fits memory."""
+    step_ms: float | None = None
+    """Pipeline step plus the gradient sync that runs past it."""
+    grad_sync_ms: float = 0.0
+    """The data-parallel gradient all-reduce time that runs past the pipeline's end."""
+    tp_comm_ms: float = 0.0
+    """TP collective time on the busiest pipeline rank over the step."""
+    peak_memory_bytes: int | None = None
+    needed_bytes: int | None = None
+    """When nothing fits: the smallest per-device memory that would (if known)."""
+    lost_because: str = ""
+    """Why it lost to the chosen mesh: ``memory``, ``bubble``, ``communication`` or
+    ``compute``, with the figure; empty for the chosen mesh."""
+
+    @property
+    def fits(self) -> bool:
+        """A plan fits every device's memory."""
+        return self.plan is not None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshResult:
+    """The chosen mesh's plan and every mesh tried, best first."""
+
+    plan: Plan
+    candidates: tuple[MeshCandidate, ...]
+
+
+def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
+               dp: int | str = "auto", num_blocks: int,
+               global_batch_size: int | None = None) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp dividing the node, tp * pp * dp == devices.
+
+    Args:
+        devices: Devices in all.
+        node_size: Devices per node.
+        tp: Tensor-parallel size or ``"auto"``.
+        pp: Pipeline size or ``"auto"`` (at most ``num_blocks``).
+        dp: Data-parallel size or ``"auto"``.
+        num_blocks: Blocks in the profile.
+        global_batch_size: When given, dp must divide it.
+
+    Returns:
+        The meshes, by tp then pp.
+
+    Raises:
+        PlanError: A fixed size does not divide the devices, tp exceeds a node, or no
+            mesh is left.
+    """
+    if devices < 1:
+        raise PlanError(f"--devices must be >= 1, got {devices}")
+    fixed = {"tp": tp, "pp": pp, "dp": dp}
+    for name, value in fixed.items():
+        if value != "auto" and (not isinstance(value, int) or value < 1 or devices % value):
+            raise PlanError(f"--{name} {value} does not divide --devices {devices}; choose a "
+                            f"divisor of {devices} or auto")
+    if tp != "auto" and tp > node_size:
+        raise PlanError(f"--tp {tp} is larger than a node ({node_size} devices); tensor "
+                        f"parallelism stays within a node: use --tp {node_size} or less")
+    if dp != "auto" and global_batch_size is not None and global_batch_size % dp:
+        raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by --dp "
+                        f"{dp}; choose a multiple of {dp}")
+    out = []
+    for t in _divisors(devices):
+        for p in _divisors(devices // t):
+            d = devices // (t * p)
+            if node_size % t or p > num_blocks or any(
+                    v != "auto" and v != x for v, x in ((tp, t), (pp, p), (dp, d))):
+                continue
+            if global_batch_size is not None and global_batch_size % d:
+                continue
+            out.append((t, p, d))
+    if not out:
+        batch = "" if global_batch_size is None else f", dp dividing {global_batch_size}"
+        raise PlanError(f"no tp x pp x dp mesh of {devices} devices fits tp={tp}, pp={pp}, "
+                        f"dp={dp} (tp within {node_size}, pp <= {num_blocks} blocks{batch}); "
+                        f"change --devices or the fixed sizes")
+    return out
+
+
+def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str = "auto",
+              pp: int | str = "auto", dp: int | str = "auto", zero_stage: int = 0,
+              global_batch_size: int | None = None, num_microbatches: int | None = None,
+              sequence_parallel: bool = True,
+              progress: Callable[[int, int, str], None] | None = None,
+              **plan_kwargs: Any) -> MeshResult:
+    """Plan the fastest tp x pp x dp mesh of ``devices`` that fits memory.
+
+    Args:
+        profile: The unsharded profile (analytical or measured on one device).
+        devices: Devices in all.
+        spec: Device spec: node size and the intra- and inter-node links.
+        tp: Tensor-parallel size or ``"auto"``.
+        pp: Pipeline size or ``"auto"``.
+        dp: Data-parallel size or ``"auto"``.
+        zero_stage: 1 shards the optimizer state across dp (ZeRO-1).
+        global_batch_size: Samples per step over all replicas; each replica gets
+            ``global_batch_size / dp`` and m is searched among its divisors.
+        num_microbatches: Fix m per replica instead.
+        sequence_parallel: TP with sequence parallelism (activations all split).
+        progress: ``progress(done, total, what)`` after each mesh.
+        **plan_kwargs: Passed to ``make_plan`` (schedule, memory limit, dtypes, ...).
+
+    Returns:
+        The chosen mesh's plan (``tp_size``, ``dp_size``, ``zero_stage`` and
+        ``grad_sync_ms`` set) and every mesh tried, best first.
+
+    Raises:
+        PlanError: Bad sizes (see ``mesh_sizes``) or no link figures for ``spec``.
+        InfeasibleError: No mesh fits memory.
+    """
+    if spec.intra_node is None or spec.inter_node is None:
+        raise PlanError(f"profiles/devices.json has no intra_node / inter_node links for "
+                        f"{spec.key!r}; add them with their source to plan a mesh")
+    meshes = mesh_sizes(devices, spec.node_size, tp=tp, pp=pp, dp=dp,
+                        num_blocks=len(profile.blocks), global_batch_size=global_batch_size)
+    found = []
+    for done, (t, p, d) in enumerate(meshes, 1):
+        found.append(_plan_one(profile, spec, t, p, d, zero_stage, global_batch_size,
+                               num_microbatches, sequence_parallel, plan_kwargs))
+        if progress is not None:
+            progress(done, len(meshes), f"tp={t} pp={p} dp={d}")
+    fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step_ms, c.tp_size,
+                                                                   c.pp_size))
+    if not fitting:
+        need = [c.needed_bytes for c in found if c.needed_bytes is not None]
+        more = f"; the smallest needs {min(need)} bytes per device" if need else ""
+        raise InfeasibleError(f"no tp x pp x dp mesh of {devices} devices fits the memory "
+                              f"limit{more}; add devices, allow --zero 1 or lower the micro "
+                              f"batch size", needed_bytes=min(need) if need else None)
+    best = fitting[0]
+    ranked = [best] + [_with_reason(c, best) for c in fitting[1:]]
+    refused = sorted((c for c in found if not c.fits),
+                     key=lambda c: (c.needed_bytes or 0, c.tp_size, c.pp_size))
+    ranked += [dataclasses.replace(c, lost_because=_memory_reason(c)) for c in refused]
+    return MeshResult(plan=best.plan, candidates=tuple(ranked))
+
+
+def _plan_one(profile: Profile, spec: DeviceSpec, tp: int, pp: int, dp: int, zero_stage: int,
+              global_batch_size: int | None, num_microbatches: int | None,
+              sequence_parallel: bool, plan_kwargs: dict[str, Any]) -> MeshCandidate:
+    """Plan the pipeline of one mesh and add its data-parallel gradient sync."""
+    intra, inter = spec.intra_node, spec.inter_node
+    pp_link = intra if tp * pp * dp <= spec.node_size else inter
+    dp_link = intra if tp * dp <= spec.node_size else inter
+    sharded = shard_profile(profile, tp, bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s,
+                            latency_ms=intra.latency_ms, sequence_parallel=sequence_parallel)
+    kwargs = {**plan_kwargs, "link_bandwidth_bytes_per_s": pp_link.bandwidth_bytes_per_s,
+              "link_latency_ms": pp_link.latency_ms, "dp_size": dp, "zero_stage": zero_stage}
+    if num_microbatches is not None:
+        kwargs["num_microbatches"] = num_microbatches
+    elif global_batch_size is not None:
+        kwargs["global_batch_size"] = global_batch_size // dp
+    try:
+        plan = make_plan(sharded, pp_size=pp, **kwargs)
+    except InfeasibleError as exc:
+        return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
+                             needed_bytes=exc.needed_bytes)
+    sync = _grad_sync_ms(plan, dp, dp_link.bandwidth_bytes_per_s, dp_link.latency_ms)
+    comm = tp_comm_ms_per_block(profile, tp, intra.bandwidth_bytes_per_s, intra.latency_ms)
+    per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
+                    for i in range(s.first_block_idx, s.last_block_idx + 1))
+                for r in range(pp)]
+    plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
+                               grad_sync_ms=sync)
+    return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
+                         step_ms=plan.predicted_step_ms + sync, grad_sync_ms=sync,
+                         tp_comm_ms=max(per_rank) * plan.num_microbatches,
+                         peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks))
+
+
+def _grad_sync_ms(plan: Plan, dp: int, bandwidth: float, latency_ms: float) -> float:
+    """Gradient all-reduce time past the pipeline's end: rank r starts at its last backward."""
+    if dp == 1:
+        return 0.0
+    result = simulate_plan(plan)
+    grad_bytes = DTYPE_BYTES[plan.setup.grad_dtype]
+    end = result.step_ms
+    for rank in range(plan.pp_size):
+        last_bwd = max((e.end_ms for e in result.events
+                        if e.rank == rank and e.kind not in ("F", "SEND")), default=0.0)
+        num_params = sum(s.param_count for s in plan.stages_of_rank(rank))
+        end = max(end, last_bwd + ring_all_reduce_ms(num_params * grad_bytes, dp, bandwidth,
+                                                     latency_ms))
+    return end - result.step_ms
+
+
+def _with_reason(cand: MeshCandidate, best: MeshCandidate) -> MeshCandidate:
+    """Name the part of the step that grew most against the chosen mesh."""
+    def parts(c: MeshCandidate) -> dict[str, float]:
+        bubble = c.plan.bubble_fraction * c.plan.predicted_step_ms
+        comm = c.tp_comm_ms + c.grad_sync_ms
+        return {"bubble": bubble, "communication": comm,
+                "compute": c.step_ms - bubble - comm}
+    mine, theirs = parts(cand), parts(best)
+    name = max(mine, key=lambda k: mine[k] - theirs[k])
+    return dataclasses.replace(cand, lost_because=f"{name} +{mine[name] - theirs[name]:.1f} ms")
+
+
+def _memory_reason(cand: MeshCandidate) -> str:
+    if cand.needed_bytes is None:
+        return "memory"
+    return f"memory: needs {cand.needed_bytes / 2**30:.2f} GiB"
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

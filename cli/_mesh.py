@@ -1,0 +1,58 @@
+"""``autopart plan --devices N``: flags to ``plan_mesh`` arguments, and the mesh table."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from autopart.errors import PlanError
+from autopart.profile import load_device_spec
+from autopart.solve.mesh import MeshResult
+
+from ._format import gib
+
+_NUM_SHOWN = 5
+"""The chosen mesh and the next four."""
+
+
+def parse_size(value: str | None, flag: str) -> int | str:
+    """``auto`` or a positive integer; ``PlanError`` otherwise."""
+    if value is None or value == "auto":
+        return "auto"
+    if not value.isdigit() or int(value) < 1:
+        raise PlanError(f"{flag} must be auto or a positive integer, got {value!r}")
+    return int(value)
+
+
+def mesh_kwargs(args: argparse.Namespace, device: str | None) -> dict:
+    """The mesh arguments of ``plan_mesh`` from the command line."""
+    if device is None:
+        raise PlanError("--devices needs the device's node size and links: pass --device "
+                        "(h100, trn1, ...) or use an analytical profile")
+    return {"devices": args.devices, "spec": load_device_spec(device),
+            "tp": parse_size(args.tp, "--tp"), "pp": parse_size(args.pp, "--pp"),
+            "dp": parse_size(args.dp, "--dp"), "zero_stage": args.zero}
+
+
+def print_mesh_table(result: MeshResult, console: Console) -> None:
+    """The chosen mesh and the next four: predicted step, peak memory, why each lost."""
+    shown = result.candidates[:_NUM_SHOWN]
+    table = Table(title=f"mesh: {len(result.candidates)} tried, the chosen one and the next "
+                        f"{len(shown) - 1}")
+    for column in ("tp", "pp", "dp", "schedule", "step ms", "grad sync ms", "TP comm ms",
+                   "peak memory", "why it lost"):
+        table.add_column(column, justify="left" if column in ("schedule", "why it lost")
+                         else "right")
+    for cand in shown:
+        plan = cand.plan
+        sched = (f"{plan.schedule} v={plan.virtual_stages} m={plan.num_microbatches}"
+                 if plan else "")
+        table.add_row(str(cand.tp_size), str(cand.pp_size), str(cand.dp_size), sched,
+                      f"{cand.step_ms:.1f}" if cand.step_ms is not None else "",
+                      f"{cand.grad_sync_ms:.1f}" if plan else "",
+                      f"{cand.tp_comm_ms:.1f}" if plan else "",
+                      gib(cand.peak_memory_bytes) if cand.peak_memory_bytes else "",
+                      cand.lost_because or "[bold]chosen[/]")
+    console.print(table)

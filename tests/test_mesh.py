@@ -1,0 +1,130 @@
+"""Mesh planning: TP sharding and collective times against hand-worked figures, mesh
+enumeration, ZeRO-1 memory, the DP gradient sync, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+from solve_helpers import llama_like, make_block, make_profile
+
+from autopart.cost import block_arrays, static_bytes_per_param
+from autopart.errors import PlanError
+from autopart.mesh_cost import (
+    TP_EFFICIENCY,
+    ring_all_gather_ms,
+    ring_all_reduce_ms,
+    shard_profile,
+)
+from autopart.profile import load_device_spec
+from autopart.profile.devices import LinkSpec
+from autopart.schema import TrainingSetup
+from autopart.solve.mesh import mesh_sizes, plan_mesh
+from cli.main import main
+
+
+def _two_layers():
+    return make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=1.0,
+                                    num_params=1000, activation_bytes=340,
+                                    output_bytes=1_000_000) for i in range(2)])
+
+
+def test_ring_collectives_by_hand():
+    # 4 ranks, 4 GB, 1 GB/s: 2 * 3/4 * 4 s = 6 s, plus 6 steps of 0.1 ms.
+    assert ring_all_reduce_ms(4e9, 4, 1e9, 0.1) == pytest.approx(6000 + 0.6)
+    assert ring_all_gather_ms(4e9, 4, 1e9, 0.1) == pytest.approx(3000 + 0.3)
+    assert ring_all_reduce_ms(4e9, 1, 1e9, 0.1) == 0.0
+
+
+def test_tp2_halves_static_and_adds_two_all_reduces_each_way():
+    """2 layers, tp 2, 1 GB/s, 0.01 ms: one all-reduce of 1 MB = 2 * 0.01 + 1e3 * 1e6 / 1e9
+    = 1.02 ms; a layer does two in F and two in B."""
+    sharded = shard_profile(_two_layers(), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01)
+    block = sharded.blocks[1]
+    assert block.fwd_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
+    assert block.bwd_input_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
+    assert block.bwd_weight_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY))
+    assert block.num_params == 500 and block.activation_bytes == 170
+    assert block.output_bytes == 500_000
+    setup = TrainingSetup(pp_size=1, num_microbatches=1, optimizer="sgd")
+    assert list(block_arrays(sharded, setup).static_bytes) == [6000, 6000]
+    assert list(block_arrays(_two_layers(), setup).static_bytes) == [12000, 12000]
+    assert sharded.model.fingerprint == _two_layers().model.fingerprint
+
+
+def test_tp_without_sequence_parallel_keeps_ten_of_34_whole():
+    sharded = shard_profile(_two_layers(), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01,
+                            sequence_parallel=False)
+    assert sharded.blocks[0].activation_bytes == 340 * 10 // 34 + 340 * 24 // 34 // 2
+
+
+def test_zero1_shards_optimizer_state_over_dp():
+    # adam fp32: 4 params + 4 grads + 8 states; ZeRO-1 over 4 keeps 8 / 4 of the states.
+    setup = TrainingSetup(pp_size=1, num_microbatches=1, dp_size=4, zero_stage=1)
+    assert static_bytes_per_param(setup) == 4 + 4 + 8 / 4
+    assert static_bytes_per_param(TrainingSetup(pp_size=1, num_microbatches=1, dp_size=4)) == 16
+
+
+def test_mesh_sizes_keep_tp_within_a_node():
+    meshes = mesh_sizes(16, 8, num_blocks=10)
+    assert all(t * p * d == 16 and 8 % t == 0 and p <= 10 for t, p, d in meshes)
+    assert {t for t, _, _ in meshes} == {1, 2, 4, 8}
+    assert (16, 1, 1) not in meshes and (1, 16, 1) not in meshes
+    assert mesh_sizes(16, 8, tp=4, num_blocks=10) == [(4, 1, 4), (4, 2, 2), (4, 4, 1)]
+    assert [d for _, _, d in mesh_sizes(16, 8, tp=8, num_blocks=10, global_batch_size=6)] \
+        == [2, 1]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tp": 3}, "--tp 3 does not divide --devices 16"),
+    ({"tp": 16}, r"--tp 16 is larger than a node \(8 devices\)"),
+    ({"dp": 4, "global_batch_size": 6}, "--global-batch-size 6 is not divisible by --dp 4"),
+    ({"pp": 16}, "no tp x pp x dp mesh of 16 devices"),
+])
+def test_bad_meshes_are_refused(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        mesh_sizes(16, 8, num_blocks=10, **kwargs)
+
+
+def _spec():
+    link = LinkSpec(bandwidth_bytes_per_s=1e9, latency_ms=0.01)
+    return type(load_device_spec("h100"))(
+        key="test", name="test", peak_flops={"float32": 1e12}, memory_bandwidth_bytes_per_s=1e12,
+        memory_bytes=1 << 40, link_bandwidth_bytes_per_s=1e9, link_latency_ms=0.01,
+        source="test", node_size=2, intra_node=link, inter_node=link)
+
+
+def test_dp_sync_with_one_stage_is_the_whole_all_reduce():
+    """pp 1: the only rank's last backward ends the pipeline, so the whole ring all-reduce
+    of its float32 gradients (sgd) runs past the end."""
+    profile = llama_like(2)
+    result = plan_mesh(profile, devices=2, spec=_spec(), tp=1, pp=1, dp=2, num_microbatches=2,
+                       optimizer="sgd", refine_evals=0, solver="dp")
+    grads = 4 * profile.model.num_params
+    assert result.plan.grad_sync_ms == pytest.approx(ring_all_reduce_ms(grads, 2, 1e9, 0.01))
+    assert (result.plan.tp_size, result.plan.dp_size) == (1, 2)
+
+
+def test_plan_mesh_ranks_meshes_and_says_why_they_lost():
+    result = plan_mesh(llama_like(4), devices=4, spec=_spec(), num_microbatches=4,
+                       optimizer="sgd", refine_evals=0, solver="dp")
+    steps = [c.step_ms for c in result.candidates if c.fits]
+    assert steps == sorted(steps) and result.candidates[0].lost_because == ""
+    assert all(c.lost_because.split()[0] in ("bubble", "communication", "compute")
+               for c in result.candidates[1:])
+    best = result.candidates[0]
+    assert result.plan.predicted_step_ms + result.plan.grad_sync_ms == best.step_ms
+
+
+def test_cli_mesh_errors_are_one_line(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(llama_like(4).to_json())
+    for args, message in [
+        (["--devices", "16", "--device", "h100", "--tp", "3"], "--tp 3 does not divide"),
+        (["--devices", "16", "--device", "h100", "--tp", "16"], "larger than a node"),
+        (["--devices", "16", "--device", "h100", "--dp", "4", "--global-batch-size", "6"],
+         "not divisible by --dp 4"),
+        (["--pp", "2", "--tp", "2"], "--tp, --dp and --zero need --devices"),
+        ([], "give --pp N, or --devices N"),
+    ]:
+        assert main(["plan", str(path), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
