@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.schema import DTYPE_BYTES, Plan, Profile, TrainingSetup
+from autopart.schema import DTYPE_BYTES, Plan, Profile, RuntimeOverhead, TrainingSetup
 
 __all__ = [
     "BlockArrays",
@@ -25,6 +25,7 @@ __all__ = [
     "comm_ms",
     "stage_cost",
     "static_bytes_per_param",
+    "step_overhead_ms",
 ]
 
 
@@ -70,6 +71,12 @@ def static_bytes_per_param(setup: TrainingSetup) -> float:
     return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + sharded
 
 
+def step_overhead_ms(setup: TrainingSetup) -> float:
+    """The runtime's fixed work per step (``RuntimeOverhead.step_ms``; 0 without a check)."""
+    overhead = setup.runtime_overhead
+    return overhead.step_ms if overhead is not None else 0.0
+
+
 def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:
     """Time to send ``num_bytes`` point to point over the pipeline link."""
     if num_bytes <= 0:
@@ -102,6 +109,8 @@ class BlockArrays:
     """Prefix of the bytes each block receives (the previous block's output): the
     activations a stage keeps under per-block recomputation."""
     prefix_num_params: np.ndarray
+    overhead: RuntimeOverhead | None = None
+    """The runtime's own cost per action, added to every stage's F and B."""
 
     @property
     def num_blocks(self) -> int:
@@ -141,13 +150,15 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         num_params=num_params, prefix_fwd=prefix(fwd), prefix_bwd_input=prefix(bwd_in),
         prefix_bwd_weight=prefix(bwd_w), prefix_static=prefix(static),
         prefix_activation=prefix(act), prefix_input_of_block=prefix(input_of_block),
-        prefix_num_params=prefix(num_params),
+        prefix_num_params=prefix(num_params), overhead=setup.runtime_overhead,
     )
 
 
 def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = False) -> StageCost:
     """Cost of the stage holding blocks ``first .. last`` (inclusive).
 
+    With a runtime overhead in ``arrays`` (the machine check), F and B each carry the
+    runtime's per-action cost and one p2p op per cut next to the stage.
     With ``recompute`` every block of the stage is checkpointed: a microbatch keeps
     only each block's input, the backward re-runs the forward, and the largest
     block's activations are rebuilt transiently during its backward.
@@ -165,9 +176,10 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     else:
         act = int(arrays.prefix_activation[last + 1] - arrays.prefix_activation[first])
     last_block = arrays.num_blocks - 1
+    fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
-        fwd_ms=fwd,
-        bwd_input_ms=bwd_in,
+        fwd_ms=fwd + fwd_extra,
+        bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
         static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
         activation_bytes=act,
@@ -177,6 +189,16 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),
         recompute=recompute,
     )
+
+
+def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,
+                        sends: bool) -> tuple[float, float]:
+    """The runtime's own ms per F and per B of a stage: the action, plus one p2p op per
+    boundary (F receives activations and sends them on; B the gradients, the other way)."""
+    if overhead is None:
+        return 0.0, 0.0
+    p2p = overhead.p2p_ms * (int(receives) + int(sends))
+    return overhead.fwd_action_ms + p2p, overhead.bwd_action_ms + p2p
 
 
 def stage_costs_of_plan(plan: Plan) -> list[StageCost]:

@@ -22,6 +22,7 @@ __all__ = [
     "Profile",
     "ProfileSetup",
     "RankPlan",
+    "RuntimeOverhead",
     "SolverInfo",
     "StagePlan",
     "TrainingSetup",
@@ -163,6 +164,51 @@ class ProfileSetup:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeOverhead:
+    """The pipeline runtime's own work on one machine, measured once with empty stages.
+
+    ``autopart calibrate --machine`` runs ``torch.distributed.pipelining`` with stages
+    that compute almost nothing; what their actions still cost is the runtime's
+    (``autopart.verify.machine``). The cost model adds it to every stage's F and B and
+    every step (``autopart.cost``), so block times stay the blocks' own.
+    """
+
+    fwd_action_ms: float
+    """Per forward action (``forward_one_chunk``), beyond the blocks' compute."""
+    bwd_action_ms: float
+    """Per backward action (``backward_one_chunk``), beyond the blocks' compute; the
+    weight-only W actions of zero-bubble schedules are not charged."""
+    p2p_ms: float
+    """Per send or receive a rank posts (charged to the F or B that posts it)."""
+    step_ms: float
+    """Per step: schedule set-up, microbatch split, loss bookkeeping, gradient scaling."""
+    link_latency_ms: float
+    """One-way latency of a small message between two ranks of this machine."""
+    link_bandwidth_bytes_per_s: float
+    """Bandwidth of a 4 MiB message between two ranks of this machine."""
+    backend: str
+    """Process-group backend it was measured on (``gloo``, ``nccl``)."""
+    num_threads: int
+    """torch threads per rank during the check."""
+    hostname: str = ""
+    torch_version: str = ""
+    measured_at: str = ""
+    """UTC time of the check (ISO 8601)."""
+    load_average: float = 0.0
+    """1-minute load average when the check started."""
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_action_ms", "bwd_action_ms", "p2p_ms", "step_ms", "link_latency_ms"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise SchemaError(f"runtime overhead {name} = {value!r}, expected a finite "
+                                  f"number >= 0; run `autopart calibrate --machine` again")
+        if not self.link_bandwidth_bytes_per_s > 0:
+            raise SchemaError(f"runtime overhead link bandwidth must be positive, got "
+                              f"{self.link_bandwidth_bytes_per_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Profile(JsonFile):
     """Per-block latency and memory of a model on a device (``autopart profile``)."""
 
@@ -175,6 +221,9 @@ class Profile(JsonFile):
     schema_version: int = SCHEMA_VERSION
     calibration: dict[str, Any] = field(default_factory=dict)
     """Set when measured stage times were folded back in (``--calibrate``)."""
+    runtime_overhead: RuntimeOverhead | None = None
+    """The machine check of this machine at the profile's thread count, when one was run
+    (``autopart calibrate --machine``); plans add it to the stage and step times."""
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.blocks]
@@ -207,6 +256,8 @@ class TrainingSetup:
     zero_stage: int = 0
     """1: ZeRO-1, each replica keeps 1 / dp_size of the optimizer state (and master
     weights); 0: every replica keeps all of it."""
+    runtime_overhead: RuntimeOverhead | None = None
+    """The pipeline runtime's own cost added to stage and step times (the profile's)."""
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or self.zero_stage not in (0, 1):
@@ -411,6 +462,9 @@ class Plan(JsonFile):
     grad_sync_ms: float = 0.0
     """Data-parallel gradient all-reduce time that runs past the pipeline's end; the
     predicted step with data parallelism is ``predicted_step_ms + grad_sync_ms``."""
+    profile_threads: int = 0
+    """torch threads per process the profile was measured with (0: unknown); on CPU a
+    rank with another thread count runs at another speed."""
 
     def __post_init__(self) -> None:
         # Plans come from users' files: check with exceptions, which ``python -O`` keeps.

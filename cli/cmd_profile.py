@@ -8,6 +8,8 @@ analytical:h100`` estimates on meta from ``profiles/devices.json`` instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import re
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from autopart.errors import ProfileError
 from autopart.jsonio import check_writable
 from autopart.profile import list_devices, profile_model
 from autopart.schema import Profile
+from autopart.verify.machine import machine_check_for
 
 from ._progress import progress_bar
 
@@ -49,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads while profiling; use what each rank will get when "
                         "training (e.g. cores / ranks), else times do not transfer")
+    p.add_argument("--pp", type=int, default=None, metavar="N",
+                   help="ranks this machine will host when training: on CPU, profile with "
+                        "cores / N threads, what each rank gets (--threads wins)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ProfileError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    elif args.pp is not None:
+        if args.pp < 1:
+            raise ProfileError(f"--pp must be >= 1, got {args.pp}")
+        if args.backend == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.pp))
     if args.out is not None:
         check_writable(args.out)  # before profiling, not after
     with progress_bar("profiling") as progress:
@@ -64,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
             args.model, backend=args.backend, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
             num_repeats=args.repeats, layer_classes=args.layer_class, progress=progress)
+    check = machine_check_for(profile)
+    if check is not None:
+        profile = dataclasses.replace(profile, runtime_overhead=check)
     out = args.out or Path.cwd() / default_filename(profile)
     profile.save(out)
     if args.json:
@@ -75,8 +89,27 @@ def run(args: argparse.Namespace) -> int:
         console.print(summary_table(profile))
         for note in profile.model.notes:
             console.print(f"note: {note}", soft_wrap=True, highlight=False)
+        _print_machine_check(profile, console)
     Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
+
+
+def _print_machine_check(profile: Profile, console: Console) -> None:
+    """Say which machine check the plans will add, or how to run one."""
+    s = profile.setup
+    if s.backend not in ("cpu", "cuda"):
+        return
+    check = profile.runtime_overhead
+    if check is None:
+        console.print(f"note: no machine check for {s.num_threads} thread(s) here: plans leave "
+                      f"out the pipeline runtime's own cost; run `autopart calibrate --machine "
+                      f"--threads {s.num_threads}` once, then profile again", soft_wrap=True,
+                      highlight=False)
+        return
+    console.print(f"runtime overhead (machine check of {check.measured_at}, {check.num_threads} "
+                  f"thread(s)): F +{check.fwd_action_ms:.3f} ms, B +{check.bwd_action_ms:.3f} ms, "
+                  f"send/recv +{check.p2p_ms:.3f} ms, step +{check.step_ms:.3f} ms",
+                  soft_wrap=True, highlight=False)
 
 
 def default_filename(profile: Profile) -> str:

@@ -7,7 +7,7 @@ show the result.
 
 from autopart.simulate.engine import SimEvent, SimResult, simulate
 from autopart.simulate.orders import Action, max_in_flight, rank_orders
-from autopart.simulate.replay import simulate_plan
+from autopart.simulate.replay import simulate_plan, with_step_overhead
 from autopart.simulate.trace import chrome_trace, render_timeline, write_trace
 
 # Public entry points of the simulate phase.
@@ -21,5 +21,6 @@ __all__ = [
     "render_timeline",
     "simulate",
     "simulate_plan",
+    "with_step_overhead",
     "write_trace",
 ]

@@ -2,18 +2,43 @@
 
 from __future__ import annotations
 
-from autopart.cost import stage_costs_of_plan
-from autopart.schema import Plan
+import dataclasses
+
+from autopart.cost import stage_costs_of_plan, step_overhead_ms
+from autopart.schema import Plan, TrainingSetup
 from autopart.simulate.engine import SimResult, simulate
 
-__all__ = ["simulate_plan"]
+__all__ = ["simulate_plan", "with_step_overhead"]
+
+
+def with_step_overhead(result: SimResult, setup: TrainingSetup) -> SimResult:
+    """``result`` with the runtime's fixed per-step work added (``cost.step_overhead_ms``).
+
+    Every rank spends it outside the schedule's actions, so step and idle times grow
+    by it; busy times and the events stay the schedule's.
+
+    Args:
+        result: A simulated step.
+        setup: The training setup, whose ``runtime_overhead`` holds the per-step ms.
+
+    Returns:
+        The step with the overhead added (``result`` itself when there is none).
+    """
+    extra = step_overhead_ms(setup)
+    if extra <= 0:
+        return result
+    step = result.step_ms + extra
+    idle = tuple(step - b for b in result.rank_busy_ms)
+    return dataclasses.replace(result, step_ms=step, rank_idle_ms=idle,
+                               bubble_fraction=sum(idle) / (len(idle) * step))
 
 
 def simulate_plan(plan: Plan, *, record_events: bool = True) -> SimResult:
     """Simulate one training step of ``plan`` from what the plan records.
 
     The stage costs, schedule, pp, virtual stages and microbatches are the plan's;
-    the link bandwidth and latency come from ``plan.setup``. No profile is needed,
+    the link bandwidth and latency and the runtime's per-step work come from
+    ``plan.setup``. No profile is needed,
     so this is exactly the step ``autopart plan`` predicted.
 
     Args:
@@ -28,6 +53,8 @@ def simulate_plan(plan: Plan, *, record_events: bool = True) -> SimResult:
         PlanError: The plan's schedule is unknown or its stages do not match
             ``pp_size * virtual_stages``.
     """
-    return simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
-                    virtual_stages=plan.virtual_stages, num_microbatches=plan.num_microbatches,
-                    setup=plan.setup, record_events=record_events)
+    result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
+                      virtual_stages=plan.virtual_stages,
+                      num_microbatches=plan.num_microbatches, setup=plan.setup,
+                      record_events=record_events)
+    return with_step_overhead(result, plan.setup)

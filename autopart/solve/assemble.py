@@ -19,6 +19,7 @@ from autopart.schema import (
     TrainingSetup,
 )
 from autopart.simulate import SimResult, simulate
+from autopart.simulate.replay import with_step_overhead
 
 __all__ = ["Evaluated", "evaluate_split", "plan_from_split"]
 
@@ -52,6 +53,7 @@ def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, *, schedule: str, 
     costs = tuple(stage_cost(arrays, i, j - 1, r) for (i, j), r in zip(bounds, flags))
     result = simulate(costs, schedule=schedule, pp_size=pp_size, virtual_stages=virtual_stages,
                       num_microbatches=num_microbatches, setup=setup, record_events=False)
+    result = with_step_overhead(result, setup)
     limit = setup.memory_limit_bytes
     fits = limit is None or max(result.rank_peak_memory_bytes) <= limit
     return Evaluated(schedule, pp_size, virtual_stages, num_microbatches, tuple(bounds), flags,
@@ -110,4 +112,4 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
         model_name=profile.model.name, partition=partition, setup=setup_used,
         solver=SolverInfo(**solver), notes=tuple(notes),
         micro_batch_size=profile.setup.micro_batch_size, seq_len=profile.setup.seq_len,
-        dtype=profile.setup.dtype)
+        dtype=profile.setup.dtype, profile_threads=profile.setup.num_threads)

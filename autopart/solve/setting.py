@@ -70,6 +70,7 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
         setup_fields = setup_fields_with_precision(setup_fields, profile.setup.dtype)
     except SchemaError as exc:
         raise PlanError(f"bad training setup: {exc}") from None
+    setup_fields = _with_machine_check(profile, setup_fields)
     out = {}
     for m, samples in counts.items():
         try:
@@ -90,6 +91,16 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
                          build_chain(block_arrays(fused, setup), setup), tuple(starts),
                          tuple(allowed))
     return out
+
+
+def _with_machine_check(profile: Profile, setup_fields: dict[str, Any]) -> dict[str, Any]:
+    """The profile's machine check (runtime overhead, measured link) as setup defaults;
+    fields the caller gives win."""
+    overhead = profile.runtime_overhead
+    if overhead is None:
+        return setup_fields
+    return {"runtime_overhead": overhead, "link_latency_ms": overhead.link_latency_ms,
+            "link_bandwidth_bytes_per_s": overhead.link_bandwidth_bytes_per_s, **setup_fields}
 
 
 def rescaled(profile: Profile, micro_batch_size: int) -> Profile:

@@ -1,0 +1,123 @@
+"""The machine check (runtime overhead) and how the cost model uses it.
+
+Closed forms worked by hand: a stage's F and B grow by the per-action cost plus one
+p2p op per neighbouring cut; a step grows by the per-step cost; the fit of the
+check's raw timings splits the per-step rest into p2p ops and a constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from solve_helpers import llama_like, make_block, make_profile
+
+from autopart.cost import block_arrays, stage_cost
+from autopart.errors import SchemaError
+from autopart.schema import Plan, Profile, RuntimeOverhead, TrainingSetup
+from autopart.simulate import simulate_plan
+from autopart.solve import make_plan
+from autopart.verify import machine
+
+OVERHEAD = RuntimeOverhead(fwd_action_ms=0.5, bwd_action_ms=0.25, p2p_ms=0.125, step_ms=2.0,
+                           link_latency_ms=0.05, link_bandwidth_bytes_per_s=2e9,
+                           backend="gloo", num_threads=1)
+
+
+def _three_blocks() -> Profile:
+    return make_profile([make_block(f"b{i}", fwd_ms=1.0, bwd_ms=2.0, output_bytes=0)
+                         for i in range(3)])
+
+
+def test_stage_cost_adds_action_and_p2p_overhead():
+    """Middle stage: 2 cuts -> F = 1 + 0.5 + 2 * 0.125, B = 1 + 0.25 + 2 * 0.125."""
+    setup = TrainingSetup(pp_size=3, num_microbatches=1, runtime_overhead=OVERHEAD)
+    arrays = block_arrays(_three_blocks(), setup)
+    middle = stage_cost(arrays, 1, 1)
+    assert middle.fwd_ms == pytest.approx(1.75)
+    assert middle.bwd_input_ms == pytest.approx(1.5)
+    assert middle.bwd_weight_ms == pytest.approx(1.0)
+    first = stage_cost(arrays, 0, 0)
+    assert first.fwd_ms == pytest.approx(1.625)
+    whole = stage_cost(arrays, 0, 2)  # no cut: the action cost only
+    assert whole.fwd_ms == pytest.approx(3.5)
+
+
+def test_no_overhead_leaves_costs_alone():
+    setup = TrainingSetup(pp_size=3, num_microbatches=1)
+    assert stage_cost(block_arrays(_three_blocks(), setup), 1, 1).fwd_ms == pytest.approx(1.0)
+
+
+def test_plan_records_overhead_and_adds_step_cost():
+    """GPipe, 1 microbatch, 3 stages of F=1.75.. : the step is the chain plus 2 ms."""
+    profile = dataclasses.replace(_three_blocks(), runtime_overhead=OVERHEAD)
+    plain = make_plan(_three_blocks(), pp_size=3, num_microbatches=1, schedule="gpipe",
+                      virtual_stages=1, link_latency_ms=0.0, link_bandwidth_bytes_per_s=1e18)
+    plan = make_plan(profile, pp_size=3, num_microbatches=1, schedule="gpipe",
+                     virtual_stages=1, link_latency_ms=0.0, link_bandwidth_bytes_per_s=1e18)
+    assert plan.setup.runtime_overhead == OVERHEAD
+    # F: 1.625 + 1.75 + 1.625, B: 1.375 + 1.5 + 1.375 (+ the W halves: 3 x 1.0), + 2 ms
+    extra = (0.625 + 0.75 + 0.625) + (0.375 + 0.5 + 0.375) + 2.0
+    assert plan.predicted_step_ms == pytest.approx(plain.predicted_step_ms + extra)
+    again = Plan.from_json(plan.to_json())
+    assert again.setup.runtime_overhead == OVERHEAD
+    assert simulate_plan(again).step_ms == pytest.approx(plan.predicted_step_ms)
+
+
+def test_plan_takes_the_measured_link_unless_given():
+    profile = dataclasses.replace(llama_like(4), runtime_overhead=OVERHEAD)
+    plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b", virtual_stages=1)
+    assert plan.setup.link_latency_ms == 0.05
+    assert plan.setup.link_bandwidth_bytes_per_s == 2e9
+    given = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
+                      virtual_stages=1, link_latency_ms=0.5)
+    assert given.setup.link_latency_ms == 0.5
+
+
+def test_fit_splits_rest_into_p2p_and_step():
+    """rest(m) = step + 2 m p2p: rest(2) = 3, rest(8) = 6 -> p2p = 0.25, step = 2."""
+    rank = {"fwd": [0.3, 0.3], "bwd": [0.5, 0.5], "rest": {"2": [3.0], "8": [6.0]},
+            "module_fwd": 0.1, "module_bwd": 0.2,
+            "link": {"small_ms": 0.05, "large_ms": 2.05, "large_bytes": 4 * 2**20}}
+    out = machine._fit([rank, rank], "gloo", 1, 0.5)
+    assert out.fwd_action_ms == pytest.approx(0.2)
+    assert out.bwd_action_ms == pytest.approx(0.3)
+    assert out.p2p_ms == pytest.approx(0.25)
+    assert out.step_ms == pytest.approx(2.0)
+    assert out.link_bandwidth_bytes_per_s == pytest.approx(4 * 2**20 / 2e-3, rel=1e-3)
+
+
+def test_cache_round_trip(tmp_path):
+    path = machine.save_cached_overhead(OVERHEAD, root=tmp_path)
+    assert path.name.endswith("-gloo-1t.json")
+    assert machine.load_cached_overhead("gloo", 1, root=tmp_path) == OVERHEAD
+    assert machine.load_cached_overhead("gloo", 2, root=tmp_path) is None
+    profile = _three_blocks()
+    assert machine.machine_check_for(
+        dataclasses.replace(profile, setup=dataclasses.replace(profile.setup, num_threads=1)),
+        root=tmp_path) == OVERHEAD
+
+
+def test_broken_cache_is_one_line(tmp_path):
+    path = machine.cache_path("gloo", 1, root=tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fwd_action_ms": -1}))
+    with pytest.raises(SchemaError, match="delete it"):
+        machine.load_cached_overhead("gloo", 1, root=tmp_path)
+
+
+def test_negative_overhead_refused():
+    with pytest.raises(SchemaError, match="calibrate --machine"):
+        dataclasses.replace(OVERHEAD, p2p_ms=-0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_check_machine_runs_for_real():
+    """Two gloo ranks with empty stages: every constant is measured and small."""
+    out = machine.check_machine(num_threads=1, num_steps=4, num_warmup=1)
+    assert out.backend == "gloo" and out.num_threads == 1
+    assert 0 <= out.fwd_action_ms < 50 and 0 <= out.bwd_action_ms < 50
+    assert out.link_bandwidth_bytes_per_s > 0 and out.link_latency_ms > 0
