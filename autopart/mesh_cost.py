@@ -9,9 +9,11 @@ Models") on ``tp`` devices of one node:
 
 - parameters, gradients and optimizer state of embeddings, decoder layers and the
   head are split ``tp`` ways; norms are replicated;
-- compute per shard is the block's time / tp, divided by ``TP_EFFICIENCY`` (GEMMs
-  ``tp`` times narrower run below the full-size efficiency: an assumption, not a
-  measurement; ``autopart verify`` calibrates it away);
+- compute per shard: from a profile of the shard itself where there is one (the
+  analytical backend on the config with heads, intermediate size and vocabulary / tp,
+  ``autopart.profile.tp_shard``); else the block's time / tp, divided by
+  ``TP_EFFICIENCY`` (GEMMs ``tp`` times narrower run below the full-size efficiency:
+  an assumption, not a measurement; ``autopart verify`` calibrates it away);
 - activations: with sequence parallelism everything a layer keeps is split; without,
   Korthikanti et al.'s per-layer count ``sbh (10 + 24 / tp)`` of ``sbh * 34`` is used
   (the layer-norm and dropout inputs stay whole);
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopart.schema import Profile
+from autopart.schema import BlockProfile, Profile
 
 __all__ = ["TP_COLLECTIVES", "TP_EFFICIENCY", "ring_all_gather_ms", "ring_all_reduce_ms",
            "shard_profile", "tp_comm_ms_per_block"]
@@ -97,7 +99,8 @@ def tp_comm_ms_per_block(profile: Profile, tp: int, bandwidth_bytes_per_s: float
 
 
 def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
-                  latency_ms: float, sequence_parallel: bool = True) -> Profile:
+                  latency_ms: float, sequence_parallel: bool = True,
+                  shard: Profile | None = None) -> Profile:
     """The profile of one TP shard: what each of ``tp`` devices computes and holds.
 
     Args:
@@ -106,6 +109,11 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
         bandwidth_bytes_per_s: Intra-node link bandwidth per device.
         latency_ms: Intra-node per-step latency.
         sequence_parallel: Megatron's sequence parallelism (activations all split).
+        shard: A profile of one shard itself (``autopart.profile.tp_shard``: the
+            analytical backend on the config with heads, intermediate size and vocabulary
+            / tp), same blocks in the same order. Its compute times, parameters and
+            transient bytes replace the scaled ones, and without sequence parallelism its
+            activations too; ``None`` scales by ``1 / (tp * TP_EFFICIENCY)``.
 
     Returns:
         The same blocks (same names, same fingerprint) with times including the TP
@@ -118,24 +126,47 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
     whole = _REPLICATED_ACTIVATION
     act_share = 1 / tp if sequence_parallel else whole + (1 - whole) / tp
     blocks = []
-    for block, (comm_fwd, comm_bwd) in zip(profile.blocks, comm, strict=True):
-        scale = 1 / (tp * TP_EFFICIENCY)
-        split = block.kind != "norm"
+    shards = profile.blocks if shard is None else shard.blocks
+    for block, part, (comm_fwd, comm_bwd) in zip(profile.blocks, shards, comm, strict=True):
         share = act_share if block.kind in ("decoder_layer", "block") else 1 / tp
         if block.kind == "norm" and not sequence_parallel:
             share = 1.0
-        bwd_input = block.bwd_input_ms * scale + comm_bwd
-        bwd_weight = block.bwd_weight_ms * scale
+        if shard is None:
+            blocks.append(_scaled(block, tp, share, comm_fwd, comm_bwd))
+            continue
+        activation = part.activation_bytes if not sequence_parallel else \
+            round(block.activation_bytes * share)
         blocks.append(dataclasses.replace(
-            block, fwd_ms=block.fwd_ms * scale + comm_fwd, bwd_input_ms=bwd_input,
-            bwd_weight_ms=bwd_weight, bwd_ms=bwd_input + bwd_weight,
-            num_params=-(-block.num_params // tp) if split else block.num_params,
-            param_bytes=-(-block.param_bytes // tp) if split else block.param_bytes,
-            activation_bytes=round(block.activation_bytes * share),
-            output_bytes=-(-block.output_bytes // tp),
-            transient_bytes=-(-block.transient_bytes // tp), measured=()))
-    note = (f"tensor parallel {tp}: block times / {tp} / {TP_EFFICIENCY} (shard efficiency, "
-            f"assumed) plus ring all-reduces of the hidden state; parameters / {tp} (norms "
-            f"whole); activations {'/ ' + str(tp) if sequence_parallel else 'per Korthikanti'}")
+            block, fwd_ms=part.fwd_ms + comm_fwd, bwd_input_ms=part.bwd_input_ms + comm_bwd,
+            bwd_weight_ms=part.bwd_weight_ms, bwd_ms=part.bwd_ms + comm_bwd,
+            num_params=part.num_params, param_bytes=part.param_bytes,
+            activation_bytes=activation, output_bytes=-(-block.output_bytes // tp),
+            transient_bytes=part.transient_bytes, measured=()))
+    if shard is None:
+        how = (f"block times / {tp} / {TP_EFFICIENCY} (shard efficiency, assumed), "
+               f"parameters / {tp} (norms whole)")
+    else:
+        how = ("block times and parameters of the shard's own analytical profile (heads, "
+               "intermediate size and vocabulary / tp; norms counted whole)")
+    acts = f"/ {tp}" if sequence_parallel else "as without sequence parallelism"
+    note = (f"tensor parallel {tp}: {how}, plus ring all-reduces of the hidden state; "
+            f"activations {acts}")
     model = dataclasses.replace(profile.model, notes=(*profile.model.notes, note))
     return dataclasses.replace(profile, model=model, blocks=tuple(blocks))
+
+
+def _scaled(block: BlockProfile, tp: int, share: float, comm_fwd: float,
+            comm_bwd: float) -> BlockProfile:
+    """One block's shard by scaling: compute / (tp * efficiency), parameters / tp."""
+    scale = 1 / (tp * TP_EFFICIENCY)
+    split = block.kind != "norm"
+    bwd_input = block.bwd_input_ms * scale + comm_bwd
+    bwd_weight = block.bwd_weight_ms * scale
+    return dataclasses.replace(
+        block, fwd_ms=block.fwd_ms * scale + comm_fwd, bwd_input_ms=bwd_input,
+        bwd_weight_ms=bwd_weight, bwd_ms=bwd_input + bwd_weight,
+        num_params=-(-block.num_params // tp) if split else block.num_params,
+        param_bytes=-(-block.param_bytes // tp) if split else block.param_bytes,
+        activation_bytes=round(block.activation_bytes * share),
+        output_bytes=-(-block.output_bytes // tp),
+        transient_bytes=-(-block.transient_bytes // tp), measured=())

@@ -9,6 +9,8 @@ from rich.table import Table
 
 from autopart.errors import PlanError
 from autopart.profile import load_device_spec
+from autopart.profile.tp_shard import profile_tp_shard
+from autopart.schema import Profile
 from autopart.solve.mesh import MeshResult
 
 from ._format import gib
@@ -26,14 +28,16 @@ def parse_size(value: str | None, flag: str) -> int | str:
     return int(value)
 
 
-def mesh_kwargs(args: argparse.Namespace, device: str | None) -> dict:
-    """The mesh arguments of ``plan_mesh`` from the command line."""
+def mesh_kwargs(args: argparse.Namespace, device: str | None, profile: Profile) -> dict:
+    """The mesh arguments of ``plan_mesh`` from the command line; analytical profiles get
+    their TP shards profiled analytically (``profile_tp_shard``)."""
     if device is None:
         raise PlanError("--devices needs the device's node size and links: pass --device "
                         "(h100, trn1, ...) or use an analytical profile")
     return {"devices": args.devices, "spec": load_device_spec(device),
             "tp": parse_size(args.tp, "--tp"), "pp": parse_size(args.pp, "--pp"),
-            "dp": parse_size(args.dp, "--dp"), "zero_stage": args.zero}
+            "dp": parse_size(args.dp, "--dp"), "zero_stage": args.zero,
+            "shard_of": lambda tp: profile_tp_shard(profile, tp)}
 
 
 def print_mesh_table(result: MeshResult, console: Console) -> None:

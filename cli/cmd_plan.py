@@ -154,7 +154,7 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
                             "profiles/devices.json")
         for key in ("link_bandwidth_bytes_per_s", "link_latency_ms"):
             common.pop(key, None)  # the mesh picks intra- or inter-node links itself
-        return {**common, **mesh_kwargs(args, device)}
+        return {**common, **mesh_kwargs(args, device, profile)}
     return {"pp_size": int(args.pp), **common}
 
 

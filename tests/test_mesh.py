@@ -3,6 +3,8 @@ enumeration, ZeRO-1 memory, the DP gradient sync, and one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from solve_helpers import llama_like, make_block, make_profile
 
@@ -16,6 +18,7 @@ from autopart.mesh_cost import (
 )
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
+from autopart.profile.tp_shard import shard_config
 from autopart.schema import TrainingSetup
 from autopart.solve.mesh import mesh_sizes, plan_mesh
 from cli.main import main
@@ -128,3 +131,46 @@ def test_cli_mesh_errors_are_one_line(tmp_path, capsys):
         assert main(["plan", str(path), *args]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, err
+
+
+def test_shard_config_divides_heads_mlp_and_vocabulary():
+    config = {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "intermediate_size": 28672, "vocab_size": 128256, "eos_token_id": 128001}
+    assert shard_config(config, 16) == {
+        "hidden_size": 8192, "head_dim": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "intermediate_size": 1792, "vocab_size": 8016}
+
+
+def test_a_shard_profile_replaces_the_scaled_times():
+    """Given the shard's own profile, its times plus the all-reduces are used, not 1 / tp."""
+    whole = _two_layers()
+    part = make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=0.7,
+                                    num_params=400, activation_bytes=200,
+                                    output_bytes=1_000_000) for i in range(2)])
+    sharded = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part)
+    assert sharded.blocks[0].fwd_ms == pytest.approx(0.7 + 2 * 1.02)
+    assert sharded.blocks[0].bwd_weight_ms == pytest.approx(0.7)
+    assert sharded.blocks[0].num_params == 400
+    assert sharded.blocks[0].activation_bytes == 170  # sequence parallel: whole / tp
+    no_sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part,
+                          sequence_parallel=False)
+    assert no_sp.blocks[0].activation_bytes == 200
+
+
+@pytest.mark.slow  # two analytical profiles: about 4 s on a loaded CPU
+def test_analytical_shard_of_tiny_llama_has_the_same_blocks_and_fewer_params():
+    """The analytical backend profiles the tp-divided config: same block chain, each
+    decoder layer's and the head's parameters divided by tp (norms inside a layer whole)."""
+    from autopart.profile import profile_model
+    from autopart.profile.tp_shard import profile_tp_shard
+
+    whole = profile_model("tiny-llama", backend="analytical:h100", seq_len=64)
+    shard = profile_tp_shard(whole, 2)
+    assert [b.name for b in shard.blocks] == [b.name for b in whole.blocks]
+    head, shard_head = whole.blocks[-1], shard.blocks[-1]
+    assert shard_head.num_params * 2 == head.num_params
+    layer, shard_layer = whole.blocks[1], shard.blocks[1]
+    assert layer.num_params / 2 < shard_layer.num_params < layer.num_params / 2 * 1.01
+    assert shard_layer.fwd_ms < layer.fwd_ms
+    measured = dataclasses.replace(whole, setup=dataclasses.replace(whole.setup, backend="cpu"))
+    assert profile_tp_shard(measured, 2) is None

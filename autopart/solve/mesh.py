@@ -124,6 +124,7 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
               pp: int | str = "auto", dp: int | str = "auto", zero_stage: int = 0,
               global_batch_size: int | None = None, num_microbatches: int | None = None,
               sequence_parallel: bool = True,
+              shard_of: Callable[[int], Profile | None] | None = None,
               progress: Callable[[int, int, str], None] | None = None,
               **plan_kwargs: Any) -> MeshResult:
     """Plan the fastest tp x pp x dp mesh of ``devices`` that fits memory.
@@ -140,6 +141,9 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
             ``global_batch_size / dp`` and m is searched among its divisors.
         num_microbatches: Fix m per replica instead.
         sequence_parallel: TP with sequence parallelism (activations all split).
+        shard_of: ``shard_of(tp)`` gives a profile of one TP shard (e.g.
+            ``autopart.profile.tp_shard.profile_tp_shard``) or ``None``; without one the
+            block times are scaled (``autopart.mesh_cost``). Called once per tp.
         progress: ``progress(done, total, what)`` after each mesh.
         **plan_kwargs: Passed to ``make_plan`` (schedule, memory limit, dtypes, ...).
 
@@ -157,9 +161,15 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
     meshes = mesh_sizes(devices, spec.node_size, tp=tp, pp=pp, dp=dp,
                         num_blocks=len(profile.blocks), global_batch_size=global_batch_size)
     found = []
+    shards: dict[int, Profile | None] = {}
     for done, (t, p, d) in enumerate(meshes, 1):
-        found.append(_plan_one(profile, spec, t, p, d, zero_stage, global_batch_size,
-                               num_microbatches, sequence_parallel, plan_kwargs))
+        if t not in shards:
+            shards[t] = shard_of(t) if shard_of is not None and t > 1 else None
+        sharded = shard_profile(profile, t, sequence_parallel=sequence_parallel,
+                                bandwidth_bytes_per_s=spec.intra_node.bandwidth_bytes_per_s,
+                                latency_ms=spec.intra_node.latency_ms, shard=shards[t])
+        found.append(_plan_one(profile, sharded, spec, (t, p, d), zero_stage,
+                               global_batch_size, num_microbatches, plan_kwargs))
         if progress is not None:
             progress(done, len(meshes), f"tp={t} pp={p} dp={d}")
     fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step_ms, c.tp_size,
@@ -178,15 +188,14 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
     return MeshResult(plan=best.plan, candidates=tuple(ranked))
 
 
-def _plan_one(profile: Profile, spec: DeviceSpec, tp: int, pp: int, dp: int, zero_stage: int,
-              global_batch_size: int | None, num_microbatches: int | None,
-              sequence_parallel: bool, plan_kwargs: dict[str, Any]) -> MeshCandidate:
-    """Plan the pipeline of one mesh and add its data-parallel gradient sync."""
+def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
+              zero_stage: int, global_batch_size: int | None, num_microbatches: int | None,
+              plan_kwargs: dict[str, Any]) -> MeshCandidate:
+    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync."""
+    tp, pp, dp = mesh
     intra, inter = spec.intra_node, spec.inter_node
     pp_link = intra if tp * pp * dp <= spec.node_size else inter
     dp_link = intra if tp * dp <= spec.node_size else inter
-    sharded = shard_profile(profile, tp, bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s,
-                            latency_ms=intra.latency_ms, sequence_parallel=sequence_parallel)
     kwargs = {**plan_kwargs, "link_bandwidth_bytes_per_s": pp_link.bandwidth_bytes_per_s,
               "link_latency_ms": pp_link.latency_ms, "dp_size": dp, "zero_stage": zero_stage}
     if num_microbatches is not None:
@@ -203,8 +212,9 @@ def _plan_one(profile: Profile, spec: DeviceSpec, tp: int, pp: int, dp: int, zer
     per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
                     for i in range(s.first_block_idx, s.last_block_idx + 1))
                 for r in range(pp)]
+    notes = plan.notes + (sharded.model.notes[-1],) if tp > 1 else plan.notes
     plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
-                               grad_sync_ms=sync)
+                               grad_sync_ms=sync, notes=notes)
     return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
                          step_ms=plan.predicted_step_ms + sync, grad_sync_ms=sync,
                          tp_comm_ms=max(per_rank) * plan.num_microbatches,
