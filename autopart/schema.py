@@ -31,7 +31,9 @@ __all__ = [
     "setup_fields_with_precision",
 ]
 
-BLOCK_KINDS = ("embedding", "decoder_layer", "norm", "head", "block")
+BLOCK_KINDS = ("embedding", "decoder_layer", "attention", "mlp", "norm", "head", "block")
+"""``attention`` and ``mlp``: the two halves of a decoder layer (``sublayer`` granularity)."""
+GRANULARITIES = ("layer", "sublayer")
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
                               "num_params", "compile_ms")
@@ -97,6 +99,8 @@ class BlockProfile:
     ``transformer.wte`` and ``transformer.wpe``); empty means just ``name``."""
     expert_load: tuple[float, ...] = ()
     """MoE layers: (max / mean, min / mean) tokens per expert over the profiled routing."""
+    layer: str = ""
+    """FQN of the decoder layer this block is a half of (``attention`` / ``mlp`` kinds)."""
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:
@@ -156,8 +160,14 @@ class ProfileSetup:
     attn_implementation: str = ""
     """HF attention kernel the model was profiled with (``sdpa``, or ``eager`` where the
     family has no SDPA path); empty for other models."""
+    granularity: str = "layer"
+    """``sublayer``: decoder layers were profiled as two halves each (profiles without
+    the key are ``layer``)."""
 
     def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise SchemaError(f"granularity {self.granularity!r} is not one of "
+                              f"{GRANULARITIES}; profile again with --granularity")
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise SchemaError(f"micro_batch_size ({self.micro_batch_size}) and seq_len "
                               f"({self.seq_len}) must be >= 1")

@@ -46,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="warm-up runs per block")
     p.add_argument("--layer-class", action="append", default=None, metavar="NAME",
                    help="class name of the repeated layers (repeatable); overrides discovery")
+    p.add_argument("--granularity", default="layer", choices=("layer", "sublayer"),
+                   help="sublayer: each decoder layer as two blocks (attention half, MLP "
+                        "half) where a cut between them is exact; default layer")
     p.add_argument("--out", type=Path, default=None, metavar="PATH",
                    help="profile JSON to write (default ./<model>.<backend>.profile.json)")
     p.add_argument("--json", action="store_true", help="print the profile JSON on stdout")
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         profile = profile_model(
             args.model, backend=args.backend, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
-            num_repeats=args.repeats, layer_classes=args.layer_class, progress=progress)
+            num_repeats=args.repeats, layer_classes=args.layer_class,
+            granularity=args.granularity, progress=progress)
     check = machine_check_for(profile)
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)

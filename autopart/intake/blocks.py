@@ -8,22 +8,28 @@ candidates are its children. ``autopart.intake.trace`` then runs the forward onc
 and keeps the candidates in the order they are called, with the arguments each
 receives; candidates that no exact pipeline cut can separate are fused into one
 block. No family's module names are written down here: they are what was seen.
+
+At ``sublayer`` granularity each decoder layer's parameter-holding children become
+candidates too, and the layer splits into its two halves where the trace proves the
+cut between them exact (``autopart.intake.sublayer``); otherwise layers stay whole
+and ``BlockChain.notes`` says why.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from autopart.errors import ModelSourceError
 from autopart.intake.sources import fill_meta_buffers
+from autopart.intake.sublayer import GRANULARITIES, layer_children, split_halves
 from autopart.intake.trace import CallRecord, ForwardTrace, trace_forward
 
-__all__ = ["Block", "BlockChain", "discover_blocks", "example_inputs"]
+__all__ = ["GRANULARITIES", "Block", "BlockChain", "discover_blocks", "example_inputs"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -38,12 +44,14 @@ class Block:
     name: str
     """FQN of the last module of the block (the block's name in plans and cuts)."""
     kind: str
-    """``embedding``, ``decoder_layer``, ``norm``, ``head`` or ``block``."""
+    """``embedding``, ``decoder_layer``, ``attention``, ``mlp``, ``norm``, ``head`` or ``block``."""
     class_name: str
     modules: tuple[str, ...] = ()
     """Every module FQN of the block in call order (several when calls were fused)."""
     calls: tuple[int, ...] = ()
     """Indices of the block's calls in ``BlockChain.trace.calls``."""
+    layer: str = ""
+    """FQN of the decoder layer this block is a half of (``sublayer`` granularity)."""
 
     @property
     def fqns(self) -> tuple[str, ...]:
@@ -67,6 +75,10 @@ class BlockChain:
     """Parameter-free modules outside the blocks that the forward runs on every stage."""
     trace: ForwardTrace | None = None
     """The watched forward: every block call with its stream and context arguments."""
+    granularity: str = "layer"
+    """``sublayer`` when decoder layers are split into halves, else ``layer``."""
+    notes: tuple[str, ...] = ()
+    """Why ``sublayer`` granularity was asked for and layers stay whole, if they do."""
 
     @property
     def names(self) -> list[str]:
@@ -85,7 +97,8 @@ class BlockChain:
 
 
 def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
-                    leaf_modules: list[str] | None = None) -> BlockChain:
+                    leaf_modules: list[str] | None = None,
+                    granularity: str = "layer") -> BlockChain:
     """Find the block chain of ``model`` (on meta) by watching one forward.
 
     Args:
@@ -93,13 +106,20 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
         layer_classes: class names of the repeated layers, overriding discovery.
         leaf_modules: class names never split (each instance outside the layers
             becomes one candidate).
+        granularity: ``layer`` (whole decoder layers) or ``sublayer`` (each layer as
+            its attention half and its MLP half where a cut between them is exact;
+            the chain says in ``notes`` why layers stay whole otherwise).
 
     Returns:
-        The ``BlockChain``.
+        The ``BlockChain``. Its fingerprint does not depend on the granularity.
 
     Raises:
-        ModelSourceError: no candidate blocks, or a forward autopart cannot pipeline.
+        ModelSourceError: no candidate blocks, a forward autopart cannot pipeline, or
+            an unknown granularity.
     """
+    if granularity not in GRANULARITIES:
+        raise ModelSourceError(f"granularity {granularity!r} is not one of {GRANULARITIES}; "
+                               f"use --granularity layer or sublayer")
     what = type(model).__name__
     if isinstance(model, nn.Sequential) and layer_classes is None:
         candidates = [n for n, _ in model.named_children()]
@@ -118,10 +138,7 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
             f"buffer {glue_meta[0]} of {what} is on the meta device but the forward reads it "
             f"between blocks; build the model with its buffers on the CPU (only parameters "
             f"may be on meta)")
-    with torch.random.fork_rng(devices=[]):  # the caller's random stream is untouched
-        torch.manual_seed(0)
-        example = example_inputs(model, candidates, 1, TRACE_SEQ_LEN)
-        order, trace = trace_forward(model, candidates, example, what)
+    order, trace = _watch(model, candidates, what)
     if not trace.output_labelled:
         raise ModelSourceError(f"{what}'s output does not depend on the blocks autopart found "
                                f"({order[0]} .. {order[-1]}); pass --layer-class NAME")
@@ -133,9 +150,43 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
     classes = tuple(sorted({type(model.get_submodule(f)).__name__ for f in layers}))
     shared = tuple(_shared(model, {f for b in blocks for f in b.fqns}, layers))
     tied = _tied(model, blocks)
-    return BlockChain(blocks=blocks, family=family, tied_embeddings=tied,
-                      fingerprint=_fingerprint(model, blocks, tied),
-                      layer_class_names=classes, shared_modules=shared, trace=trace)
+    chain = BlockChain(blocks=blocks, family=family, tied_embeddings=tied,
+                       fingerprint=_fingerprint(model, blocks, tied),
+                       layer_class_names=classes, shared_modules=shared, trace=trace)
+    if granularity == "sublayer":
+        chain = _split_layers(model, chain, layers, what)
+    return chain
+
+
+def _watch(model: nn.Module, candidates: list[str], what: str) -> tuple[list[str], ForwardTrace]:
+    """Trace the forward on a tiny seeded input; the caller's random stream is untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        example = example_inputs(model, candidates, 1, TRACE_SEQ_LEN)
+        return trace_forward(model, candidates, example, what)
+
+
+def _split_layers(model: nn.Module, chain: BlockChain, layers: set[str],
+                  what: str) -> BlockChain:
+    """``chain`` with each decoder layer split into halves, or with a note saying why not."""
+    whole = [b.name for b in chain.blocks if b.name in layers]
+    children, reason = layer_children(model, whole)
+    blocks: tuple[Block, ...] = ()
+    trace = None
+    if not reason:
+        candidates = [c for b in chain.blocks for f in b.fqns for c in children.get(f, [f])]
+        try:
+            order, trace = _watch(model, candidates, what)
+        except ModelSourceError as exc:
+            reason = str(exc)
+        else:
+            fused = _fuse(model, order, trace, layers, chain.family)
+            blocks, reason = split_halves(fused, children)
+    if reason:
+        return replace(chain, notes=(f"decoder layers stay whole: {reason}",))
+    shared = tuple(_shared(model, {f for b in blocks for f in b.fqns}, layers))
+    return replace(chain, blocks=blocks, trace=trace, shared_modules=shared,
+                   granularity="sublayer")
 
 
 def example_inputs(model: nn.Module, candidates: list[str], micro_batch_size: int,

@@ -45,7 +45,7 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                   micro_batch_size: int = 1, seq_len: int = 128, dtype: str = "float32",
                   num_warmup: int = 3, num_repeats: int = 10,
                   layer_classes: list[str] | None = None, leaf_modules: list[str] | None = None,
-                  progress: ProgressFn | None = None) -> Profile:
+                  granularity: str = "layer", progress: ProgressFn | None = None) -> Profile:
     """Profile every block of ``source`` for one microbatch of training.
 
     The blocks are found by watching the model's forward (``discover_blocks``);
@@ -64,6 +64,10 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_repeats: Timed runs per block (the median is kept).
         layer_classes: Class names of the repeated layers, overriding discovery.
         leaf_modules: Class names never split into smaller blocks.
+        granularity: ``layer``, or ``sublayer`` to profile each decoder layer as its
+            attention half and its MLP half (identical halves measured once); a
+            family whose layers cannot be split exactly stays whole, and the
+            profile's ``setup.granularity`` and notes say so.
         progress: ``progress(done, total, block_name)`` after each block.
 
     Returns:
@@ -76,7 +80,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
     backend = check_settings(backend, micro_batch_size, seq_len, dtype, num_warmup, num_repeats)
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     model = loaded.model
-    chain = discover_blocks(model, layer_classes=layer_classes, leaf_modules=leaf_modules)
+    chain = discover_blocks(model, layer_classes=layer_classes, leaf_modules=leaf_modules,
+                            granularity=granularity)
     check_shapes(loaded, chain, seq_len, backend, dtype)
     engine = make_engine(backend, dtype, num_warmup, num_repeats)
     torch_dtype = TORCH_DTYPES[dtype]
@@ -97,7 +102,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         time_source=engine.time_source, memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(),
         attn_implementation=str(getattr(getattr(model, "config", None),
-                                        "_attn_implementation", "") or ""))
+                                        "_attn_implementation", "") or ""),
+        granularity=chain.granularity)
     return Profile(model=_model_info(loaded, chain, blocks), setup=setup,
                    blocks=tuple(blocks))
 
@@ -109,20 +115,20 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     hf_init = getattr(model, "_init_weights", None) if chain.family == "hf_causal_lm" else None
     block_of = {c: b for b in chain.blocks for c in b.calls}
     seen: dict[str, tuple[_CallFigures, Any, int]] = {}
-    done: dict[int, tuple[_CallFigures, int | None]] = {}
+    done: dict[int, tuple[_CallFigures, str]] = {}
     contexts: dict[int, int] = {}
 
     def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
         block = block_of[idx]
         key = _signature(chain, idx, original, args, kwargs, contexts)
         if key in seen:
-            figures, output, twin = seen[key]
-            done[idx] = (figures, twin)
+            figures, output, _ = seen[key]
+            done[idx] = (figures, key)
         else:
             figures, output = _profile_call(chain, idx, block, original, args, kwargs, runner,
                                             engine, hf_init, backend, dtype)
             seen[key] = (figures, output, idx)
-            done[idx] = (figures, None)
+            done[idx] = (figures, key)
             logger.info("profiled %s: fwd %.3f ms, bwd %.3f ms", chain.call_fqns[idx],
                         figures.figures.times.fwd_ms, figures.figures.times.bwd_ms)
         if progress is not None and idx == block.calls[-1]:
@@ -135,7 +141,11 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
         raise ProfileError(f"the forward did not call {missing[0]} when profiled, though it did "
                            f"when autopart watched it; the model's forward must call the same "
                            f"blocks for every input")
-    return [_block_profile(block, [done[c] for c in block.calls], block_of)
+    first_of: dict[tuple[str, ...], str] = {}  # a block's call signatures -> first such block
+    for block in chain.blocks:
+        first_of.setdefault(tuple(done[c][1] for c in block.calls), block.name)
+    return [_block_profile(block, [done[c][0] for c in block.calls],
+                           first_of[tuple(done[c][1] for c in block.calls)])
             for block in chain.blocks]
 
 
@@ -174,27 +184,26 @@ def _profile_call(chain: BlockChain, idx: int, block: Block, original: nn.Module
     return _CallFigures(figures, param_bytes, num_params, tuple(load)), output
 
 
-def _block_profile(block: Block, calls: list[tuple[_CallFigures, int | None]],
-                   block_of: dict[int, Block]) -> BlockProfile:
-    """One block's profile from its calls (several when calls were fused)."""
-    figs = [c.figures for c, _ in calls]
+def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockProfile:
+    """One block's profile from its calls (several when calls were fused); ``twin`` is the
+    first block whose calls have the same signatures (its measurements are reused)."""
+    figs = [c.figures for c in calls]
     t = [f.times for f in figs]
     m = [f.memory for f in figs]
-    twins = [twin for _, twin in calls]
-    reused = block_of[twins[0]].name if all(tw is not None for tw in twins) else None
     return BlockProfile(
         name=block.name, kind=block.kind, fwd_ms=sum(x.fwd_ms for x in t),
         bwd_ms=sum(x.bwd_ms for x in t), bwd_input_ms=sum(x.bwd_input_ms for x in t),
         bwd_weight_ms=sum(x.bwd_weight_ms for x in t),
-        param_bytes=sum(c.param_bytes for c, _ in calls),
+        param_bytes=sum(c.param_bytes for c in calls),
         activation_bytes=sum(x.activation_bytes for x in m), output_bytes=m[-1].output_bytes,
         transient_bytes=max(x.transient_bytes for x in m),
-        num_params=sum(c.num_params for c, _ in calls),
+        num_params=sum(c.num_params for c in calls),
         fwd_ms_spread=max(x.fwd_ms_spread for x in t),
         bwd_ms_spread=max(x.bwd_ms_spread for x in t), measured=figs[0].measured,
         compile_ms=sum(x.compile_ms for x in t), class_name=block.class_name,
-        reused_from=reused if reused != block.name else None, modules=block.modules,
-        expert_load=next((c.expert_load for c, _ in calls if c.expert_load), ()))
+        reused_from=twin if twin != block.name else None, modules=block.modules,
+        layer=block.layer,
+        expert_load=next((c.expert_load for c in calls if c.expert_load), ()))
 
 
 def _signature(chain: BlockChain, idx: int, module: nn.Module, args: tuple, kwargs: dict,
@@ -231,8 +240,12 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
             not getattr(model, "_supports_sdpa", True):
         notes.append(f"attention: eager; transformers has no SDPA attention for "
                      f"{config.model_type}, so it is profiled and trained with eager")
+    notes.extend(chain.notes)
+    if chain.granularity == "sublayer":
+        notes.append("sublayer: each decoder layer is two blocks, its attention half and its "
+                     "MLP half, each named by its last module (a cut falls after it)")
     for block in chain.blocks:
-        if block.modules:
+        if block.modules and not block.layer:
             notes.append(f"block {block.name} runs {' + '.join(block.modules)}: the forward "
                          f"uses them together, so no exact cut separates them")
     loads = [b.expert_load for b in blocks if b.expert_load]
@@ -252,7 +265,9 @@ def _model_info(loaded: LoadedModel, chain: BlockChain,
     config = loaded.config
     hf = chain.family == "hf_causal_lm" and config is not None
     num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
-    if not hf:
+    if chain.granularity == "sublayer":
+        num_layers = len({b.layer for b in chain.blocks if b.layer})
+    elif not hf:
         num_layers = sum(1 for b in chain.blocks if b.class_name in chain.layer_class_names)
     return ModelInfo(
         name=loaded.name, fingerprint=chain.fingerprint,

@@ -9,6 +9,9 @@
   count as one layer, then the units are divided evenly.
 
 Uneven divisions give the extra unit to the first stages (``numpy.array_split``).
+These tools cut between whole layers: on a ``sublayer`` profile each layer's two
+halves are fused first (``autopart.granularity``), so a baseline never cuts inside
+a layer.
 When there are fewer units than stages every block becomes a unit. A split is a
 list of ``(first, stop)`` half-open block ranges, one per stage.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autopart.granularity import fuse_halves, layer_groups
 from autopart.schema import BlockProfile
 
 __all__ = ["BASELINES", "baseline_split", "even_split", "params_split", "torchtitan_split"]
@@ -136,4 +140,9 @@ def baseline_split(name: str, blocks: Sequence[BlockProfile], num_stages: int
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
     if not 1 <= num_stages <= len(blocks):
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{len(blocks)}")
-    return BASELINES[name](blocks, num_stages)
+    groups = layer_groups(blocks)
+    if len(groups) == len(blocks) or len(groups) < num_stages:
+        return BASELINES[name](blocks, num_stages)
+    fused = [fuse_halves([blocks[i] for i in group]) for group in groups]
+    return [(groups[i][0], groups[j - 1][-1] + 1)
+            for i, j in BASELINES[name](fused, num_stages)]
