@@ -28,6 +28,7 @@ from autopart.verify import (
     verify_plan,
     write_comparison_trace,
 )
+from autopart.verify.report import report_thread_mismatch
 
 from ._format import gib
 from ._progress import progress_bar
@@ -129,6 +130,9 @@ def print_report(report: RunReport, console: Console) -> None:
                   f"{100 * report.measured_step_ms_spread:.1f}%), error "
                   f"{_err(report.predicted_step_ms, report.measured_step_ms)}; with the "
                   f"optimizer step (not predicted): {report.measured_train_step_ms:.1f} ms")
+    mismatch = report_thread_mismatch(report)
+    if mismatch:
+        console.print(f"warning: {mismatch}", highlight=False, soft_wrap=True)
 
 
 def _err(predicted: float, measured: float | None) -> str:

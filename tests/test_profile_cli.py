@@ -55,3 +55,33 @@ def _tiny_json() -> str:
 
     loaded = load_model("tiny-llama", name="org/name")
     return profile_model(loaded, backend="analytical:h100", seq_len=8).to_json()
+
+
+def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatch, capsys,
+                                                            one_thread):
+    """--pp N profiles at cores / N threads and takes the cached check for that count."""
+    import os
+
+    from autopart.schema import RuntimeOverhead
+    from autopart.verify import save_cached_overhead
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    check = RuntimeOverhead(fwd_action_ms=0.1, bwd_action_ms=0.2, p2p_ms=0.05, step_ms=1.0,
+                            link_latency_ms=0.08, link_bandwidth_bytes_per_s=2e9,
+                            backend="gloo", num_threads=threads)
+    save_cached_overhead(check)
+    out_path = tmp_path / "p.json"
+    assert main(["profile", "tiny-llama", "--pp", "2", *FAST, "--out", str(out_path)]) == 0
+    profile = Profile.load(out_path)
+    assert profile.setup.num_threads == threads
+    assert profile.runtime_overhead == check
+    assert "runtime overhead (machine check" in capsys.readouterr().out
+
+
+def test_no_machine_check_says_how_to_run_one(tmp_path, monkeypatch, capsys, one_thread):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["profile", "tiny-llama", *FAST, "--threads", "1",
+                 "--out", str(tmp_path / "p.json")]) == 0
+    assert Profile.load(tmp_path / "p.json").runtime_overhead is None
+    assert "autopart calibrate --machine --threads 1" in capsys.readouterr().out

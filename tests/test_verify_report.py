@@ -189,3 +189,27 @@ def test_live_peak_keeps_an_earlier_storage_at_a_gradient_address():
     events = [(1, 5), (2, 3), (1, -5), (1, 7), (2, -3)]
     assert peak_without_last(events, {1}) == 8
     assert peak_without_last(events, set()) == 10
+
+
+def test_thread_mismatch_line_names_the_fix(report):
+    """The report keeps the profile's thread count; a different rank count gets one line."""
+    from autopart.runtime.validate import thread_mismatch
+    from autopart.verify.report import report_thread_mismatch
+
+    assert thread_mismatch(1, 1, pp_size=2) is None
+    assert thread_mismatch(0, 1, pp_size=2) is None  # unknown: nothing to say
+    line = thread_mismatch(2, 1, pp_size=2, model="heavy-head-llama")
+    assert "2 thread(s)" in line and "runs 1" in line
+    assert "autopart profile heavy-head-llama --threads 1" in line and "--pp 2" in line
+    assert report_thread_mismatch(report) is None  # the synthetic profile records none
+    bad = dataclasses.replace(report, profile_threads=2)
+    assert "runs 1" in report_thread_mismatch(bad)
+    assert report_thread_mismatch(dataclasses.replace(bad, device="cuda (H100)")) is None
+    assert RunReport.from_json(bad.to_json()).profile_threads == 2
+
+
+def test_plan_records_profile_threads(profile):
+    threaded = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
+                                                                      num_threads=3))
+    plan = make_plan(threaded, pp_size=2, num_microbatches=4, schedule="1f1b")
+    assert plan.profile_threads == 3

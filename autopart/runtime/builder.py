@@ -27,7 +27,7 @@ from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
 from autopart.runtime.tree import prune
-from autopart.runtime.validate import check_model, check_plan, recompute_rule
+from autopart.runtime.validate import check_model, check_plan, recompute_rule, thread_mismatch
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import Plan, StagePlan
 
@@ -105,6 +105,11 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                        "layers, so recomputed stages run their forward several times per "
                        "microbatch; prefer 1f1b or interleaved-1f1b with recompute",
                        plan_obj.schedule)
+    mismatch = thread_mismatch(plan_obj.profile_threads, torch.get_num_threads(),
+                               pp_size=plan_obj.pp_size, model=model_or_source
+                               if isinstance(model_or_source, str) else "MODEL")
+    if dev.type == "cpu" and mismatch and dist.get_rank() == 0:
+        logger.warning("%s", mismatch)
     hf = chain.family == "hf_causal_lm"
     coef = getattr(getattr(root, "config", None), "router_aux_loss_coef", None)
     if coef and loss_fn is None and dist.get_rank() == 0:

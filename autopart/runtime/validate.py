@@ -13,7 +13,30 @@ from autopart.intake import BlockChain
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
 
-__all__ = ["check_model", "check_plan", "recompute_rule"]
+__all__ = ["check_model", "check_plan", "recompute_rule", "thread_mismatch"]
+
+
+def thread_mismatch(profile_threads: int, rank_threads: int, *, pp_size: int,
+                    model: str = "MODEL") -> str | None:
+    """One line naming a CPU thread-count mismatch between the profile and the ranks, and
+    the fix; ``None`` when they agree or the profile's count is unknown.
+
+    Args:
+        profile_threads: torch threads the profile was measured with (``Plan.profile_threads``;
+            0 for unknown).
+        rank_threads: torch threads each rank runs with.
+        pp_size: Ranks of the pipeline (for the suggested ``--pp``).
+        model: How to name the model in the suggested command.
+
+    Returns:
+        The line to print or log, or ``None``.
+    """
+    if profile_threads <= 0 or profile_threads == rank_threads:
+        return None
+    return (f"the profile was measured with {profile_threads} thread(s) but each rank runs "
+            f"{rank_threads}: CPU block times do not transfer; profile again with "
+            f"`autopart profile {model} --threads {rank_threads}` (or `--pp {pp_size}` on the "
+            f"machine that will host the ranks) and plan again")
 
 
 def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:

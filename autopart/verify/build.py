@@ -46,6 +46,7 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         micro_batch_size=plan.micro_batch_size, seq_len=plan.seq_len, steps=settings.steps,
         warmup=settings.warmup, device=results[0].device,
         num_threads_per_rank=results[0].num_threads,
+        profile_threads=plan.profile_threads,
         memory_method=results[0].memory_method,
         predicted_step_ms=sim.step_ms, measured_step_ms=statistics.median(steps),
         measured_step_ms_spread=_spread(steps),

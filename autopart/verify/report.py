@@ -16,7 +16,7 @@ from autopart.jsonio import JsonFile
 from autopart.schema import Plan
 
 __all__ = ["REPORT_SCHEMA_VERSION", "MeasuredMemory", "RankReport", "RunReport", "StageReport",
-           "plan_digest"]
+           "plan_digest", "report_thread_mismatch"]
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -121,6 +121,9 @@ class RunReport(JsonFile):
     """Median pipeline step + optimizer step (slowest rank)."""
     stages: tuple[StageReport, ...]
     ranks: tuple[RankReport, ...]
+    profile_threads: int = 0
+    """torch threads the plan's profile was measured with (0: not recorded); compare
+    ``num_threads_per_rank``."""
     measured_events: tuple[tuple[Any, ...], ...] = ()
     """(rank, kind, stage, microbatch, start_ms, end_ms) of the median step, for traces."""
     schema_version: int = REPORT_SCHEMA_VERSION
@@ -129,6 +132,23 @@ class RunReport(JsonFile):
     def step_error(self) -> float:
         """(predicted - measured) / measured step time."""
         return relative_error(self.predicted_step_ms, self.measured_step_ms)
+
+
+def report_thread_mismatch(report: RunReport) -> str | None:
+    """The line naming a profile / rank thread-count mismatch of a CPU run and its fix.
+
+    Args:
+        report: A run report.
+
+    Returns:
+        The line, or ``None`` when the counts agree, are unknown, or the run was on GPUs.
+    """
+    from autopart.runtime.validate import thread_mismatch
+
+    if not report.device.startswith("cpu"):
+        return None
+    return thread_mismatch(report.profile_threads, report.num_threads_per_rank,
+                           pp_size=report.pp_size, model=report.model)
 
 
 def relative_error(predicted: float, measured: float) -> float:
