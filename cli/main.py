@@ -20,9 +20,9 @@ from autopart.errors import AutopartError
 _COMMANDS = ("profile", "plan", "simulate", "verify", "calibrate")
 
 
-def _load_commands() -> dict[str, object]:
+def _load_commands(names: tuple[str, ...] = _COMMANDS) -> dict[str, object]:
     modules = {}
-    for name in _COMMANDS:
+    for name in names:
         try:
             modules[name] = importlib.import_module(f".cmd_{name}", __package__)
         except ModuleNotFoundError as exc:
@@ -39,8 +39,13 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    """The top-level parser with one subparser per available command."""
+def build_parser(argv: list[str] | None = None
+                 ) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The top-level parser with one subparser per available command.
+
+    When ``argv`` names a command only that command's module is imported (``plan``
+    on a profile needs neither torch nor transformers); else every command's is.
+    """
     parser = _OneLineParser(
         prog="autopart",
         description="Automatic pipeline parallelism: profile, plan, simulate, run.",
@@ -48,7 +53,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
-    modules = _load_commands()
+    named = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg in _COMMANDS]
+    modules = _load_commands(tuple(named[:1]) or _COMMANDS)
     for module in modules.values():
         module.add_parser(sub)
     return parser, modules
@@ -56,7 +62,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
-    parser, modules = build_parser()
+    parser, modules = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -12,7 +12,7 @@ from solve_helpers import llama_like, make_block, make_profile
 
 from autopart.errors import PlanError
 from autopart.solve import make_plan
-from autopart.solve.refine import allowed_cuts, fuse_blocks, legal
+from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, neighbours
 
 
 def test_fuse_blocks_merges_runs_without_cuts():
@@ -63,3 +63,22 @@ def test_plan_never_slower_than_a_fitting_baseline(times, pp, schedule):
     for base in plan.baselines.values():
         if base.fits:
             assert plan.predicted_step_ms <= base.predicted_step_ms * (1 + 1e-9)
+
+
+def test_neighbours_move_one_or_two_cuts_to_allowed_positions():
+    """Hand-listed: three stages over 6 blocks, cuts at 2 and 4, cut 3 forbidden."""
+    allowed = [True, True, True, False, True, True, True]
+    bounds = ((0, 2), (2, 4), (4, 6))
+    moves = [b for b, _ in neighbours(bounds, (False, False, False), allowed)]
+    cuts = [tuple(j for _, j in b[:-1]) for b in moves]
+    # single moves: 2 -> 1, (2 -> 3 forbidden, skips to 4: stage empty), 4 -> 5 (4 -> 3 -> 2 empty)
+    assert cuts[:2] == [(1, 4), (2, 5)]
+    # pairs (both left, both right, apart, together): (1, 2)  (4, 5)  (1, 5)  (4, 2) invalid;
+    # both right is legal because 4 leaves for 5 while 2 skips the forbidden 3
+    assert cuts[2:] == [(1, 2), (4, 5), (1, 5)]
+    assert all(legal(b, allowed) for b in moves)
+
+
+def test_recompute_drops_come_first():
+    moves = list(neighbours(((0, 1), (1, 3)), (True, False), [True] * 4))
+    assert moves[0] == (((0, 1), (1, 3)), (False, False))

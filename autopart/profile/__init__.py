@@ -22,8 +22,18 @@ W is always ``bwd_ms - bwd_input_ms`` (see ``autopart.profile.measure``); attent
 on meta is counted as flash attention (see ``autopart.profile.analytical``).
 """
 
+from typing import Any
+
 from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec, parse_backend
-from autopart.profile.profiler import profile_model
 
 # Public entry points of the profile phase.
 __all__ = ["DeviceSpec", "list_devices", "load_device_spec", "parse_backend", "profile_model"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the profiler (and torch) only when it is used: planning needs neither."""
+    if name == "profile_model":
+        from autopart.profile.profiler import profile_model
+
+        return profile_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

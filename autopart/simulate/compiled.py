@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from autopart.schedules import schedule_info, stage_to_rank
+import numpy as np
+
+from autopart.schedules import schedule_info, stage_to_rank, stages_of_rank
 from autopart.simulate.orders import action_groups
 
-__all__ = ["ACT", "BDONE", "GRAD", "KINDS", "compile_action", "compiled_plan"]
+__all__ = ["ACT", "BDONE", "GRAD", "KINDS", "compile_action", "compiled_plan", "held_counts"]
 
 KINDS = ("F", "B", "W")
 ACT, GRAD, BDONE = 0, 1, 2
@@ -81,3 +83,33 @@ def _merge_group(parts: list[tuple]) -> list[tuple]:
     (torch's runtime waits per sub-action), but the group's sends leave only when its
     last part ends (torch issues the SEND actions after the whole action)."""
     return [p[:8] + (pos == len(parts) - 1,) for pos, p in enumerate(parts)]
+
+
+@lru_cache(maxsize=32)
+def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
+                ) -> tuple[tuple[tuple[int, ...], np.ndarray], ...]:
+    """Per rank: its stages, and one row per distinct moment a forward starts holding
+    activations: how many microbatches each of those stages holds then. Cached.
+
+    A microbatch is held from its ``F`` until its releasing backward (``B``, or ``W``
+    in split schedules), so the rank's peak activation bytes are
+    ``max(counts @ activation_bytes_of_its_stages)``.
+    """
+    info = schedule_info(schedule)
+    release = 2 if info.split_backward else 1
+    out = []
+    for rank, row in enumerate(compiled_plan(schedule, pp_size, virtual_stages,
+                                             num_microbatches)):
+        stages = tuple(stages_of_rank(rank, pp_size, virtual_stages, info.style))
+        column = {s: c for c, s in enumerate(stages)}
+        held = [0] * len(stages)
+        moments = set()
+        for entry in row:
+            kind, s = entry[0], entry[1]
+            if kind == 0:
+                held[column[s]] += 1
+                moments.add(tuple(held))
+            elif kind == release:
+                held[column[s]] -= 1
+        out.append((stages, np.array(sorted(moments), dtype=np.int64)))
+    return tuple(out)

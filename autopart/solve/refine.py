@@ -1,11 +1,12 @@
 """Local search with the simulator, and cut restrictions by fusing blocks.
 
 The DP and ILP optimize a closed-form proxy of the step time; the simulator is the
-judge. ``refine`` starts from the best candidate (solver or baseline split) and
-moves one stage boundary at a time to the neighbouring allowed cut, keeping a move
+judge. ``refine`` starts from a candidate (solver or baseline split) and moves one
+stage boundary, or two at once, to the neighbouring allowed cut, keeping a move
 when the simulated step gets faster and memory still fits; it also drops
 recomputation where the stage fits without it. So a plan is never slower, in
-simulation, than any split it started from: the baselines included.
+simulation, than any split it started from: the baselines included. Moves that
+the current critical path proves useless are not simulated.
 
 ``fuse_blocks`` merges the blocks between which no cut is allowed (e.g. NxD cuts
 only after transformer layers), so the solvers see only legal cut positions.
@@ -14,11 +15,13 @@ only after transformer layers), so the solvers see only legal cut positions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["allowed_cuts", "fuse_blocks", "legal", "refine"]
+__all__ = ["Judge", "allowed_cuts", "fuse_blocks", "legal", "neighbours", "refine"]
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -65,20 +68,47 @@ def _fuse(blocks: Sequence[BlockProfile]) -> BlockProfile:
         transient_bytes=max(b.transient_bytes for b in blocks), reused_from=None)
 
 
-def refine(evaluate: Callable[[Bounds, tuple[bool, ...]], object], start: object,
-           allowed: Sequence[bool], *, max_evals: int = 300) -> object:
-    """Hill-climb from ``start`` (an ``Evaluated``) by moving single boundaries.
+class Judge(Protocol):
+    """What the local search needs from the simulator for one configuration."""
 
-    ``evaluate(bounds, recompute)`` simulates a split. A move is kept when it fits
-    and lowers ``(step_ms, peak memory)``. Deterministic: moves are tried in a
-    fixed order and the evaluation budget is a count, not a time.
+    def evaluate(self, bounds: Bounds, recompute: tuple[bool, ...]) -> Any:
+        """Simulate a split (an ``Evaluated``)."""
+
+    def lower_bound(self, counts: Any, bounds: Bounds, recompute: tuple[bool, ...]) -> float:
+        """A lower bound on a split's step from the current split's critical path."""
+
+    def critical(self, current: Any) -> Any:
+        """The critical-path counts of a simulated split (``simulate.critical_counts``)."""
+
+
+_PAIR_MOVES_MAX_CUTS = 16
+"""Up to this many cuts every pair of cuts moves together; beyond, adjacent pairs only."""
+_BOUND_SLACK = 1e-9
+"""Relative margin on the bound (covers rounding in its sum)."""
+
+
+def refine(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int = 300) -> Any:
+    """Hill-climb from ``start`` (an ``Evaluated``) by moving one or two cuts at a time.
+
+    A move is kept when it fits and lowers the step (or keeps it and lowers peak
+    memory); moves are tried in a fixed order (recompute drops, single cuts, pairs
+    of cuts) and the first that helps is taken. The current critical path, with a
+    move's durations, bounds the move's step from below (``judge.lower_bound``):
+    when that bound is not below the current step the move cannot make the step
+    faster and is not simulated, so only moves that shorten the critical path are
+    re-simulated. Deterministic: ``max_evals`` counts simulations, never time.
     """
     best, num_evals = start, 0
     improved = True
     while improved and num_evals < max_evals:
         improved = False
-        for bounds, recompute in _neighbours(best.bounds, best.recompute, allowed):
-            candidate = evaluate(bounds, recompute)
+        counts = judge.critical(best)
+        step = best.result.step_ms
+        floor = step - _BOUND_SLACK * max(1.0, abs(step))
+        for bounds, recompute in neighbours(best.bounds, best.recompute, allowed):
+            if judge.lower_bound(counts, bounds, recompute) >= floor:
+                continue
+            candidate = judge.evaluate(bounds, recompute)
             num_evals += 1
             if candidate.fits and _key(candidate) < _key(best):
                 best, improved = candidate, True
@@ -88,28 +118,43 @@ def refine(evaluate: Callable[[Bounds, tuple[bool, ...]], object], start: object
     return best
 
 
-def _key(item: object) -> tuple[float, int]:
+def _key(item: Any) -> tuple[float, int]:
     return (round(item.result.step_ms, 9), item.peak_memory_bytes)
 
 
-def _neighbours(bounds: Bounds, recompute: tuple[bool, ...], allowed: Sequence[bool]):
-    """Splits one boundary move (or one recompute drop) away from ``bounds``."""
+def neighbours(bounds: Bounds, recompute: tuple[bool, ...], allowed: Sequence[bool]
+                ) -> Iterator[tuple[Bounds, tuple[bool, ...]]]:
+    """Splits one recompute drop, one cut move or one move of two cuts away."""
     for s, flag in enumerate(recompute):
         if flag:
             yield bounds, recompute[:s] + (False,) + recompute[s + 1:]
-    for s in range(len(bounds) - 1):
-        (i, j), (_, k) = bounds[s], bounds[s + 1]
-        for new in (_step(allowed, j, -1, i), _step(allowed, j, +1, k)):
-            if new is not None:
-                moved = bounds[:s] + ((i, new), (new, k)) + bounds[s + 2:]
+    cuts = [j for _, j in bounds[:-1]]
+    for c in range(len(cuts)):
+        for direction in (-1, 1):
+            moved = _moved(cuts, allowed, {c: direction}, bounds[-1][1])
+            if moved is not None:
                 yield moved, recompute
+    num_cuts = len(cuts)
+    for c in range(num_cuts):
+        last = num_cuts if num_cuts <= _PAIR_MOVES_MAX_CUTS else min(num_cuts, c + 2)
+        for d in range(c + 1, last):
+            for dir_c, dir_d in ((-1, -1), (1, 1), (-1, 1), (1, -1)):
+                moved = _moved(cuts, allowed, {c: dir_c, d: dir_d}, bounds[-1][1])
+                if moved is not None:
+                    yield moved, recompute
 
 
-def _step(allowed: Sequence[bool], j: int, direction: int, limit: int) -> int | None:
-    """The next allowed cut from ``j`` in ``direction`` strictly inside ``(limit, j)``."""
-    pos = j + direction
-    while (pos > limit if direction < 0 else pos < limit):
-        if allowed[pos]:
-            return pos
-        pos += direction
-    return None
+def _moved(cuts: list[int], allowed: Sequence[bool], steps: dict[int, int], end: int
+           ) -> Bounds | None:
+    """The split with cut ``c`` moved to the next allowed cut in ``steps[c]``'s direction
+    for every ``c`` in ``steps``; ``None`` when a stage would become empty."""
+    new = list(cuts)
+    for c in steps:
+        pos = new[c] + steps[c]
+        while 0 < pos < end and not allowed[pos]:
+            pos += steps[c]
+        new[c] = pos
+    edges = [0, *new, end]
+    if any(b <= a for a, b in itertools.pairwise(edges)):
+        return None
+    return tuple(itertools.pairwise(edges))

@@ -24,7 +24,7 @@ from autopart.solve.baselines import BASELINES, baseline_split
 from autopart.solve.propose import propose
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.refine import refine
-from autopart.solve.setting import Setting, build_settings, search_configs
+from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_configs
 from autopart.targets import planning_constraints
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
@@ -173,13 +173,9 @@ def _refined(settings: dict[int, Setting], fitting: list[Candidate],
         best_per_config.setdefault(Config.of(cand.evaluated), cand)
     out = list(fitting)
     for config, cand in list(best_per_config.items())[:_NUM_REFINED]:
-        setting = settings[config.num_microbatches]
-
-        def evaluate(bounds, recompute, config=config, setting=setting):
-            return setting.evaluate(config, bounds, recompute)
-
+        judge = ConfigJudge(settings[config.num_microbatches], config)
         ev = cand.evaluated
-        better = refine(evaluate, ev, setting.allowed, max_evals=max_evals)
+        better = refine(judge, ev, judge.setting.allowed, max_evals=max_evals)
         if better is not ev:
             gain = ev.result.step_ms / better.result.step_ms - 1
             out.append(Candidate(better, dataclasses.replace(

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from autopart.cost import BlockArrays, block_arrays
+import numpy as np
+
+from autopart.cost import BlockArrays, StageCost, block_arrays, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info
 from autopart.schema import Profile, TrainingSetup, setup_fields_with_precision
+from autopart.simulate.engine import critical_counts, duration_table
 from autopart.solve.assemble import Evaluated, evaluate_split
 from autopart.solve.chain import Chain, build_chain
 from autopart.solve.records import Config
 from autopart.solve.refine import allowed_cuts, fuse_blocks
 
-__all__ = ["AUTO_VIRTUAL", "Setting", "build_settings", "search_configs"]
+__all__ = ["AUTO_VIRTUAL", "ConfigJudge", "Setting", "build_settings", "search_configs"]
 
 AUTO_VIRTUAL = (2, 4, 8)
 """The virtual-stage counts ``virtual_stages="auto"`` tries for multi-stage schedules."""
@@ -50,6 +53,49 @@ class Setting:
                               pp_size=config.pp_size, virtual_stages=config.virtual_stages,
                               num_microbatches=config.num_microbatches, bounds=bounds,
                               recompute=recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigJudge:
+    """The local search's view of one configuration (``refine.Judge``)."""
+
+    setting: Setting
+    """Where the splits are simulated."""
+    config: Config
+    """The configuration they are simulated under."""
+    stage_costs: dict = field(default_factory=dict)
+    """Cache: ``(first, stop, recompute)`` -> ``StageCost``."""
+
+    def evaluate(self, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool]
+                 ) -> Evaluated:
+        """Simulate a split under the configuration."""
+        return self.setting.evaluate(self.config, bounds, recompute)
+
+    def critical(self, current: Evaluated) -> np.ndarray:
+        """Critical-path counts of a simulated split (``simulate.critical_counts``)."""
+        config = self.config
+        return critical_counts(current.stage_costs, schedule=config.schedule,
+                               pp_size=config.pp_size, virtual_stages=config.virtual_stages,
+                               num_microbatches=config.num_microbatches,
+                               setup=self.setting.setup)
+
+    def lower_bound(self, counts: np.ndarray, bounds: Sequence[tuple[int, int]],
+                    recompute: Sequence[bool]) -> float:
+        """The current critical path's length under another split's durations."""
+        split = schedule_info(self.config.schedule).split_backward
+        costs = self._costs(bounds, recompute)
+        return float(counts @ duration_table(costs, split, self.setting.setup))
+
+    def _costs(self, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool]
+               ) -> list[StageCost]:
+        costs = []
+        for (i, j), flag in zip(bounds, recompute):
+            key = (i, j, flag)
+            cost = self.stage_costs.get(key)
+            if cost is None:
+                cost = self.stage_costs[key] = stage_cost(self.setting.arrays, i, j - 1, flag)
+            costs.append(cost)
+        return costs
 
 
 def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
