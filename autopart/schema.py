@@ -99,6 +99,11 @@ class BlockProfile:
     ``transformer.wte`` and ``transformer.wpe``); empty means just ``name``."""
     expert_load: tuple[float, ...] = ()
     """MoE layers: (max / mean, min / mean) tokens per expert over the profiled routing."""
+    noisy: bool = False
+    """The measurement was disturbed: its repeats still spread more than 20% after
+    re-measuring, or a re-measure disagreed (then the median of three is kept)."""
+    num_measurements: int = 1
+    """How many times the block's call was timed (more when it was disturbed)."""
     layer: str = ""
     """FQN of the decoder layer this block is a half of (``attention`` / ``mlp`` kinds)."""
 
@@ -157,6 +162,9 @@ class ProfileSetup:
     memory_source: str = "measured"
     """``measured`` (allocator / saved-tensor hooks) or ``computed`` (shapes on meta)."""
     num_threads: int = 0
+    load_average: tuple[float, ...] = ()
+    """1-minute load average before and after measuring (empty for analytical profiles):
+    above the core count, other work shared the CPU and the times are suspect."""
     attn_implementation: str = ""
     """HF attention kernel the model was profiled with (``sdpa``, or ``eager`` where the
     family has no SDPA path); empty for other models."""

@@ -94,8 +94,25 @@ def run(args: argparse.Namespace) -> int:
         for note in profile.model.notes:
             console.print(f"note: {note}", soft_wrap=True, highlight=False)
         _print_machine_check(profile, console)
+        _print_noise(profile, console)
     Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
+
+
+def _print_noise(profile: Profile, console: Console) -> None:
+    """One warning line when measurements were disturbed (spread, disagreement, load)."""
+    noisy = [b for b in profile.blocks if b.noisy and not b.reused_from]
+    load = max(profile.setup.load_average, default=0.0)
+    busy = load > (os.cpu_count() or 1)
+    if not noisy and not busy:
+        return
+    what = (f"{len(noisy)} block(s) stayed disturbed after re-measuring (spread up to "
+            f"{100 * max(max(b.fwd_ms_spread, b.bwd_ms_spread) for b in noisy):.0f}%: "
+            f"{', '.join(b.name for b in noisy[:3])}{' ...' if len(noisy) > 3 else ''})"
+            if noisy else "the CPU was busy")
+    console.print(f"warning: {what}; load average {load:.2f} on {os.cpu_count()} cores: "
+                  f"times may be off, profile again on a quieter machine", soft_wrap=True,
+                  highlight=False)
 
 
 def _print_machine_check(profile: Profile, console: Console) -> None:

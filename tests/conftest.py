@@ -40,3 +40,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def hold_steady(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block measurement clean and every re-measure agreeing (a quiet machine), so
+    which identical blocks are reused does not depend on the load while tests run."""
+    import dataclasses
+
+    from autopart.profile import engines, measure, profiler
+
+    monkeypatch.setattr(engines, "measure_times_clean", lambda *a: dataclasses.replace(
+        measure.measure_times(*a), fwd_ms_spread=0.0, bwd_ms_spread=0.0))
+    monkeypatch.setattr(profiler, "recheck", lambda first, again, times: (first, False))
+
+
+@pytest.fixture()
+def steady_machine(monkeypatch):
+    """``hold_steady`` for one test."""
+    hold_steady(monkeypatch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hold_steady
 from torch import nn
 
 from autopart.errors import ProfileError
@@ -20,7 +21,9 @@ TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
 
 @pytest.fixture(scope="module")
 def tiny() -> Profile:
-    return profile_model("tiny-llama", **FAST)
+    with pytest.MonkeyPatch.context() as patch:
+        hold_steady(patch)
+        return profile_model("tiny-llama", **FAST)
 
 
 # --- structure ---------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ def test_identical_layers_are_measured_once(tiny):
     assert tiny.blocks[0].reused_from is None and tiny.blocks[-1].reused_from is None
 
 
-def test_identical_sequential_blocks_are_reused():
+def test_identical_sequential_blocks_are_reused(steady_machine):
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2))
     profile = profile_model(model, **FAST)
     # block 0 takes the model input, which needs no gradient, so its backward is
@@ -208,7 +211,7 @@ def test_meta_factory_model_is_materialized_per_block():
 # --- the user's model is left alone --------------------------------------------------------------
 
 
-def test_profiling_does_not_change_the_model():
+def test_profiling_does_not_change_the_model(steady_machine):
     from transformers import AutoModelForCausalLM
 
     config = load_model("tiny-llama").config

@@ -68,7 +68,7 @@ def test_blocks_come_from_the_forward():
     assert chain.call(1).num_stream == 1 and chain.call(1).stream[:2] == (0, 0)
 
 
-def test_profile_and_plan():
+def test_profile_and_plan(steady_machine):
     profile = profile_model("examples.tutorial_model:tiny_transformer", seq_len=16,
                             num_warmup=1, num_repeats=2)
     assert [b.name for b in profile.blocks] == NAMES

@@ -15,7 +15,12 @@ from autopart.profile.analytical import estimate_times, flash_sdpa
 from autopart.profile.backends import Backend, make_backend
 from autopart.profile.devices import DeviceSpec, load_device_spec, parse_backend
 from autopart.profile.materialize import materialize_block
-from autopart.profile.measure import MemoryFigures, TimeFigures, measure_times, memory_pass
+from autopart.profile.measure import (
+    MemoryFigures,
+    TimeFigures,
+    measure_times_clean,
+    memory_pass,
+)
 from autopart.profile.memory import tensor_bytes
 from autopart.profile.tasks import BlockTask
 
@@ -48,7 +53,7 @@ class MeasuringEngine:
 
     def measure(self, task: BlockTask, block_module: nn.Module) -> Figures:
         """Time ``task`` on the device and measure (or, on XLA, compute) its memory."""
-        times = measure_times(task, self.backend, self.num_warmup, self.num_repeats)
+        times = measure_times_clean(task, self.backend, self.num_warmup, self.num_repeats)
         measured = (*_TIMES, "param_bytes")
         if self.backend.has_storages:
             return Figures(times, memory_pass(task, self.backend), (*measured, *_MEMORY))

@@ -11,6 +11,7 @@ training flag and the global RNG state are left as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
 from autopart.profile.moe import expert_counter
+from autopart.profile.noise import load_average, recheck
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup
@@ -92,6 +94,7 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                                seq_len)
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
+        load_before = load_average()
         blocks = _profile_blocks(model, chain, runner, engine, backend, dtype, progress)
     setup = ProfileSetup(
         backend=backend, device_name=engine.device_name, dtype=dtype,
@@ -101,6 +104,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
         time_source=engine.time_source, memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(),
+        load_average=() if backend.startswith("analytical") else (load_before,
+                                                                   load_average()),
         attn_implementation=str(getattr(getattr(model, "config", None),
                                         "_attn_implementation", "") or ""),
         granularity=chain.granularity)
@@ -118,17 +123,27 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     done: dict[int, tuple[_CallFigures, str]] = {}
     contexts: dict[int, int] = {}
 
+    checked: set[str] = set()
+
     def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
         block = block_of[idx]
         key = _signature(chain, idx, original, args, kwargs, contexts)
-        if key in seen:
+
+        def measure() -> tuple[_CallFigures, Any]:
+            return _profile_call(chain, idx, block, original, args, kwargs, runner, engine,
+                                 hf_init, backend, dtype)
+
+        if key in seen and not _noisy(seen[key][0]):
+            if key not in checked and isinstance(engine, MeasuringEngine):
+                checked.add(key)  # reuse only what a second measurement confirms
+                _recheck(seen, done, key, lambda: measure()[0])
             figures, output, _ = seen[key]
             done[idx] = (figures, key)
         else:
-            figures, output = _profile_call(chain, idx, block, original, args, kwargs, runner,
-                                            engine, hf_init, backend, dtype)
-            seen[key] = (figures, output, idx)
-            done[idx] = (figures, key)
+            figures, output = measure()
+            # a disturbed twin is not reused: this call is measured and named for itself
+            done[idx] = (figures, key if key not in seen else f"{key}#{idx}")
+            seen.setdefault(key, (figures, output, idx))
             logger.info("profiled %s: fwd %.3f ms, bwd %.3f ms", chain.call_fqns[idx],
                         figures.figures.times.fwd_ms, figures.figures.times.bwd_ms)
         if progress is not None and idx == block.calls[-1]:
@@ -155,6 +170,28 @@ class _CallFigures:
     param_bytes: int
     num_params: int
     expert_load: tuple[float, ...] = ()
+    disagreed: bool = False
+    """A re-measure of this call disagreed; these are the median of three."""
+
+
+def _noisy(call: _CallFigures) -> bool:
+    return call.figures.times.noisy or call.disagreed
+
+
+def _recheck(seen: dict, done: dict, key: str, measure: Callable[[], _CallFigures]) -> None:
+    """Measure a call about to be reused again (``noise.recheck``); on disagreement keep
+    the median of three for it and for the calls that already took the first."""
+    first, output, twin = seen[key]
+    kept, disagreed = recheck(first, measure, lambda c: c.figures.times)
+    if not disagreed:
+        return
+    kept = dataclasses.replace(kept, disagreed=True)
+    logger.warning("re-measuring %s disagreed with its first measurement; kept the median "
+                   "of three", key[:12])
+    seen[key] = (kept, output, twin)
+    for idx, (_, k) in list(done.items()):
+        if k == key:
+            done[idx] = (kept, key)
 
 
 def _profile_call(chain: BlockChain, idx: int, block: Block, original: nn.Module, args: tuple,
@@ -200,6 +237,8 @@ def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockP
         num_params=sum(c.num_params for c in calls),
         fwd_ms_spread=max(x.fwd_ms_spread for x in t),
         bwd_ms_spread=max(x.bwd_ms_spread for x in t), measured=figs[0].measured,
+        noisy=any(_noisy(c) for c in calls),
+        num_measurements=max(x.num_measurements for x in t),
         compile_ms=sum(x.compile_ms for x in t), class_name=block.class_name,
         reused_from=twin if twin != block.name else None, modules=block.modules,
         layer=block.layer,
