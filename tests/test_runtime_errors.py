@@ -31,8 +31,15 @@ def test_needs_initialized_process_group():
 
 
 def test_world_size_mismatch(one_rank):
-    with pytest.raises(RuntimeSetupError, match=r"pp_size 2 but the pipeline group has 1"):
+    with pytest.raises(RuntimeSetupError, match=r"needs pp 2 x dp 1 x tp 1 = 2 rank\(s\) but "
+                                                 r"the world has 1; launch 2 ranks"):
         auto_pipeline("tiny-llama", plan=_plan(pp_size=2), device="cpu")
+    tp2 = dataclasses.replace(_plan(), tp_size=2)  # tp_size written by hand
+    with pytest.raises(RuntimeSetupError, match=r"pp 1 x dp 1 x tp 2 = 2 rank\(s\)"):
+        auto_pipeline("tiny-llama", plan=tp2, device="cpu")
+    with pytest.raises(RuntimeSetupError, match=r"tp_size 4 does not divide "
+                                                 r"num_key_value_heads \(2\)"):
+        auto_pipeline("tiny-llama", plan=dataclasses.replace(tp2, tp_size=4), device="cpu")
 
 
 def test_plan_for_another_model(one_rank):

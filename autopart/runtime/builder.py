@@ -1,9 +1,10 @@
 """``auto_pipeline``: wrap a model with a plan and return this rank's ``PipelinedModel``.
 
-Order of work: every check that can fail (groups, plan, fingerprint, loss_fn)
-runs before the first collective; then this rank's blocks alone are given real
-storage, wrapped into stage modules with original FQNs, and handed to the torch
-schedule named by the plan.
+Order of work: every check that can fail (world size, plan, fingerprint, loss_fn,
+tensor-parallel plan) runs before the first collective; then the groups are made
+(a ``("pp", "dp", "tp")`` mesh when the plan has dp or tp above 1), this rank's
+blocks alone are given real storage, split over the tp ranks, wrapped into stage
+modules with original FQNs, and handed to the torch schedule named by the plan.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from autopart.runtime.materialize import materialize_blocks
 from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
+from autopart.runtime.tensor_parallel import apply_tensor_parallel, tp_plan_of
 from autopart.runtime.tree import prune
 from autopart.runtime.validate import check_model, check_plan, recompute_rule, thread_mismatch
 from autopart.schedules import schedule_info, stages_of_rank
@@ -65,8 +67,10 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
         device: Where this rank's blocks live (default: the current CUDA device,
             else the CPU).
         pp_group: The pipeline's process group when it is not the whole world.
-        device_mesh: A DeviceMesh with dims ``("pp", "dp")`` for pipeline x data
-            parallelism (instead of ``pp_group``).
+        device_mesh: A DeviceMesh with a ``"pp"`` dimension and optional ``"dp"``
+            and ``"tp"`` ones (instead of ``pp_group``). Without either, the groups
+            come from the plan: the world must have ``pp_size * dp_size * tp_size``
+            ranks, laid out as a ``("pp", "dp", "tp")`` mesh.
         param_init_fn: ``param_init_fn(block)`` initializes a materialized block.
         dtype: Cast the blocks to this dtype.
         activation_checkpointing: ``"plan"`` (the stages the plan marks), ``True``
@@ -87,14 +91,15 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
         SchemaError: The plan file is missing or malformed.
         ModelSourceError: The model cannot be loaded or its forward not pipelined.
     """
-    groups = resolve_groups(pp_group, device_mesh)
     root = load_model(model_or_source).model
     chain = discover_blocks(root)
     check_model(chain, has_loss_fn=loss_fn is not None)
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
-    plan_obj = resolve_plan(plan, model_or_source, chain, groups, dev.type, plan_options)
-    check_plan(plan_obj, chain, pp_size=groups.pp_size)
+    groups, plan_obj, tp_plan = _groups_and_plan(plan, model_or_source, root, chain, pp_group,
+                                                 device_mesh, dev, plan_options)
+    check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
+               dp_size=groups.dp_size)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
@@ -121,6 +126,8 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     module = _materialize(root, chain, mine, dev, dtype=dtype, param_init_fn=param_init_fn,
                           checkpoint_path=checkpoint_path, init_seed=init_seed,
                           aliases=aliases, ties=ties)
+    tp_grad_sum = apply_tensor_parallel(module, tp_plan, groups.tp_mesh) \
+        if tp_plan is not None and groups.tp_mesh is not None else []
     stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
                                         autocast_dtype=autocast_dtype)
     tied = _tie_across_ranks(module, plan_obj, chain, groups, ties)
@@ -131,10 +138,29 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
                                schedule=schedule, plan=plan_obj, groups=groups, device=dev,
                                token_loss=token_loss, tied=tied, aliases=aliases,
-                               pipe_stages=pipe_stages)
+                               pipe_stages=pipe_stages, tp_grad_sum=tp_grad_sum)
     if dist.get_rank() == 0:
         logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
     return pipelined
+
+
+def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.Module,
+                     chain: BlockChain, pp_group: dist.ProcessGroup | None, device_mesh,
+                     device: torch.device, plan_options: dict[str, Any] | None
+                     ) -> tuple[Groups, Plan, dict[str, str] | None]:
+    """The groups, the plan and the model's tp plan (``None`` for tp 1).
+
+    ``"auto"`` plans for the given groups; a plan file or object decides the mesh,
+    its sizes and tp plan checked before the mesh's collectives.
+    """
+    if isinstance(plan, str) and plan == "auto":
+        groups = resolve_groups(pp_group, device_mesh)
+        return groups, resolve_plan(plan, source, chain, groups, device.type, plan_options), None
+    plan_obj = resolve_plan(plan, source, chain, None, device.type, plan_options)
+    tp_plan = tp_plan_of(root, plan_obj.tp_size) if plan_obj.tp_size > 1 else None
+    groups = resolve_groups(pp_group, device_mesh, device_type=device.type,
+                            sizes=(plan_obj.pp_size, plan_obj.dp_size, plan_obj.tp_size))
+    return groups, plan_obj, tp_plan
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

@@ -1,8 +1,11 @@
-"""Process groups of a pipelined model: pipeline, data parallel, tied embeddings.
+"""Process groups of a pipelined model: pipeline, data parallel, tensor parallel, tied embeddings.
 
-Either the whole world is one pipeline, or ``pp_group`` names it, or a 2-D
-``DeviceMesh`` with dimensions ``("pp", "dp")`` gives both. Gradient reductions
-over these groups (flattened into buckets) live here too.
+Either ``pp_group`` names the pipeline, or a ``DeviceMesh`` with a ``"pp"``
+dimension and optional ``"dp"`` and ``"tp"`` dimensions gives the groups, or
+(neither given) they come from the plan: the whole world is one pipeline when
+the plan has dp and tp 1, else a ``("pp", "dp", "tp")`` mesh of the plan's sizes
+is built over the world (tp innermost, so tensor-parallel ranks are neighbours).
+Gradient reductions over these groups (flattened into buckets) live here too.
 """
 
 from __future__ import annotations
@@ -12,17 +15,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopart.errors import RuntimeSetupError
+from autopart.runtime.tensor_parallel import local_tensor
 
 __all__ = ["Groups", "all_reduce_grads", "resolve_groups", "tied_group"]
+
+_MESH_DIMS = ("pp", "dp", "tp")
 
 _BUCKET_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
 class Groups:
-    """This rank's place in the pipeline and data-parallel groups."""
+    """This rank's place in the pipeline, data-parallel and tensor-parallel groups."""
 
     pp_group: dist.ProcessGroup
     pp_rank: int
@@ -31,30 +38,83 @@ class Groups:
     """Global rank of every pp rank of this rank's pipeline."""
     dp_group: dist.ProcessGroup | None = None
     dp_size: int = 1
+    dp_rank: int = 0
+    """This replica's index: it takes the ``dp_rank``-th slice of the global batch."""
+    tp_mesh: DeviceMesh | None = None
+    """The 1-D mesh of this rank's tensor-parallel group (``None`` without TP)."""
+    tp_size: int = 1
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel process group (``None`` without TP)."""
+        return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
 
-def resolve_groups(pp_group: dist.ProcessGroup | None, device_mesh) -> Groups:
-    """Work out the groups from the arguments of ``auto_pipeline`` (no collective)."""
+def resolve_groups(pp_group: dist.ProcessGroup | None, device_mesh: DeviceMesh | None, *,
+                   sizes: tuple[int, int, int] | None = None,
+                   device_type: str = "cpu") -> Groups:
+    """Work out the groups from the arguments of ``auto_pipeline``.
+
+    Args:
+        pp_group: The pipeline's process group, or ``None``.
+        device_mesh: A mesh with a ``"pp"`` dimension and optional ``"dp"``/``"tp"``.
+        sizes: The plan's ``(pp, dp, tp)`` sizes when the plan is known: with neither
+            group nor mesh given, the world must have ``pp * dp * tp`` ranks, and a
+            ``("pp", "dp", "tp")`` mesh is built unless ``dp == tp == 1``.
+        device_type: Device type of the mesh built from ``sizes``.
+
+    Returns:
+        The groups; only building a mesh runs collectives (creating its groups).
+
+    Raises:
+        RuntimeSetupError: torch.distributed is not initialized, both ``pp_group``
+            and ``device_mesh`` are given, the mesh lacks ``"pp"``, or the world
+            size is not the plan's ``pp * dp * tp``.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeSetupError("torch.distributed is not initialized; call "
                                 "torch.distributed.init_process_group (e.g. under torchrun) "
                                 "before auto_pipeline")
     if pp_group is not None and device_mesh is not None:
         raise RuntimeSetupError("pass pp_group or device_mesh, not both")
-    dp_group, dp_size = None, 1
+    if pp_group is None and device_mesh is None and sizes is not None:
+        device_mesh = _mesh_from_plan(sizes, device_type)
     if device_mesh is not None:
-        names = tuple(device_mesh.mesh_dim_names or ())
-        if "pp" not in names:
-            raise RuntimeSetupError(f"device_mesh has dimensions {names}; expected ('pp',) or "
-                                    f"('pp', 'dp')")
-        pp_group = device_mesh["pp"].get_group()
-        if "dp" in names:
-            dp_group = device_mesh["dp"].get_group()
-            dp_size = dist.get_world_size(dp_group)
+        return _groups_of_mesh(device_mesh)
     group = pp_group if pp_group is not None else dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group))
     return Groups(pp_group=group, pp_rank=dist.get_rank(group), pp_size=len(ranks),
-                  pp_global_ranks=ranks, dp_group=dp_group, dp_size=dp_size)
+                  pp_global_ranks=ranks)
+
+
+def _mesh_from_plan(sizes: tuple[int, int, int], device_type: str) -> DeviceMesh | None:
+    """A ``("pp", "dp", "tp")`` mesh over the world, or ``None`` for a pure pipeline."""
+    pp, dp, tp = sizes
+    world = dist.get_world_size()
+    if world != pp * dp * tp:
+        raise RuntimeSetupError(
+            f"the plan needs pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp} rank(s) but the "
+            f"world has {world}; launch {pp * dp * tp} ranks (torchrun --nproc_per_node="
+            f"{pp * dp * tp}) or make a plan for {world} device(s)")
+    if dp == 1 and tp == 1:
+        return None
+    return init_device_mesh(device_type, sizes, mesh_dim_names=_MESH_DIMS)
+
+
+def _groups_of_mesh(mesh: DeviceMesh) -> Groups:
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names or any(n not in _MESH_DIMS for n in names):
+        raise RuntimeSetupError(f"device_mesh has dimensions {names}; expected 'pp' and "
+                                f"optionally 'dp' and 'tp', e.g. ('pp', 'dp', 'tp')")
+    pp_group = mesh["pp"].get_group()
+    dp_group = mesh["dp"].get_group() if "dp" in names and mesh["dp"].size() > 1 else None
+    tp_mesh = mesh["tp"] if "tp" in names and mesh["tp"].size() > 1 else None
+    ranks = tuple(dist.get_process_group_ranks(pp_group))
+    return Groups(pp_group=pp_group, pp_rank=dist.get_rank(pp_group), pp_size=len(ranks),
+                  pp_global_ranks=ranks, dp_group=dp_group,
+                  dp_size=1 if dp_group is None else dist.get_world_size(dp_group),
+                  dp_rank=0 if dp_group is None else dist.get_rank(dp_group),
+                  tp_mesh=tp_mesh, tp_size=1 if tp_mesh is None else tp_mesh.size())
 
 
 def tied_group(groups: Groups, first_rank: int, last_rank: int) -> dist.ProcessGroup:
@@ -72,8 +132,10 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup,
     """Sum the gradients of ``params`` over ``group`` (flattened buckets), then divide.
 
     Every member must pass the same parameters in the same order, each with a gradient.
+    A tensor-parallel (``DTensor``) gradient is reduced shard by shard: replicas of one
+    tp rank hold the same shard.
     """
-    grads = [p.grad for p in params]
+    grads = [local_tensor(p.grad) if p.grad is not None else None for p in params]
     assert all(g is not None for g in grads), "all_reduce_grads needs every gradient"
     for bucket in _buckets(grads):
         flat = _flatten_dense_tensors(bucket)

@@ -1,10 +1,12 @@
 """``PipelinedModel``: this rank's part of a model, trained by a torch pipeline schedule.
 
 ``step`` runs one forward and backward over all microbatches, then makes the
-gradients whole: the tied embedding's gradient is summed between the first and
-last stage, and every gradient over the data-parallel group. Parameters and state
-dicts use the original model's FQNs, so optimizers, grad clipping and checkpoints
-work as for the unpipelined model.
+gradients whole: per-head norm gradients are summed over the tensor-parallel
+group, the tied embedding's gradient between the first and last stage, and every
+gradient over the data-parallel group. Parameters and state dicts use the original
+model's FQNs, so optimizers, grad clipping and checkpoints work as for the
+unpipelined model; under tensor parallelism the split layers' parameters are
+``DTensor``s (``autopart.runtime.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.groups import Groups, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss, count_target_tokens
 from autopart.runtime.stages import input_kwarg
+from autopart.runtime.tensor_parallel import is_sharded, local_tensor
 from autopart.schema import Plan, StagePlan
 
 __all__ = ["PipelinedModel", "TiedWeight"]
@@ -42,7 +46,8 @@ class PipelinedModel:
                  stage_plans: list[StagePlan], schedule: Any, plan: Plan, groups: Groups,
                  device: torch.device, token_loss: TokenMeanLoss | None,
                  tied: TiedWeight | None, aliases: dict[str, str],
-                 pipe_stages: list[Any] | None = None) -> None:
+                 pipe_stages: list[Any] | None = None,
+                 tp_grad_sum: list[nn.Parameter] | None = None) -> None:
         self.module = module
         """This rank's blocks under their original FQNs (a pruned model tree)."""
         self.config = getattr(module, "config", None)
@@ -61,6 +66,7 @@ class PipelinedModel:
         self._token_loss = token_loss
         self._tied = tied
         self._aliases = aliases
+        self._tp_grad_sum = list(tp_grad_sum or [])
 
     # --- training ------------------------------------------------------------------------------
 
@@ -106,19 +112,29 @@ class PipelinedModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so their global 2-norm is at most ``max_norm``; return the norm.
 
-        Squared norms are summed over the pipeline group (the tied weight once);
-        after ``step`` gradients are equal across dp replicas, so the norm is global.
+        Squared norms are summed over the tensor-parallel group for sharded
+        gradients (each shard once; replicated ones are counted once per tp rank,
+        not summed), then over the pipeline group (the tied weight once); after
+        ``step`` gradients are equal across dp replicas, so the norm is global.
         """
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        sharded = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in self._norm_params():
             if p.grad is not None:
-                squares += p.grad.detach().float().pow(2).sum()
+                part = local_tensor(p.grad.detach()).float().pow(2).sum()
+                if is_sharded(p.grad):
+                    sharded += part
+                else:
+                    squares += part
+        if self.groups.tp_group is not None:
+            dist.all_reduce(sharded, group=self.groups.tp_group)
+        squares += sharded
         dist.all_reduce(squares, group=self.groups.pp_group)
         total = squares.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+                local_tensor(p.grad.detach()).mul_(coef.to(p.grad.dtype))
         return total
 
     def _count_tokens(self, target: torch.Tensor) -> torch.Tensor:
@@ -132,6 +148,8 @@ class PipelinedModel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self._tp_grad_sum and self.groups.tp_group is not None:
+            all_reduce_grads(self._tp_grad_sum, self.groups.tp_group)
         if self._tied is not None:
             dist.all_reduce(self._tied.param.grad, group=self._tied.group)
         if self.groups.dp_group is not None:
@@ -170,13 +188,18 @@ class PipelinedModel:
         """Take this rank's entries of ``state_dict`` (e.g. the full model's); return missing keys.
 
         With ``strict`` a key this rank needs and ``state_dict`` lacks raises
-        ``RuntimeSetupError``; keys of other ranks' blocks are ignored.
+        ``RuntimeSetupError``; keys of other ranks' blocks are ignored. Under tensor
+        parallelism every tp rank passes the same whole tensors and keeps its shard.
         """
         picked, missing = {}, []
-        for key in self.module.state_dict():
+        for key, mine in self.module.state_dict().items():
             source = key if key in state_dict else self._aliases.get(key)
             if source is None or source not in state_dict:
                 missing.append(key)
+            elif isinstance(mine, DTensor):
+                picked[key] = distribute_tensor(state_dict[source].to(self.device),
+                                                mine.device_mesh, mine.placements,
+                                                src_data_rank=None)
             else:
                 picked[key] = state_dict[source]
         if strict and missing:
@@ -187,15 +210,16 @@ class PipelinedModel:
         return missing
 
     def stage_param_counts(self) -> dict[int, int]:
-        """Number of parameters of each stage this rank holds, by stage index."""
-        return {plan.index: sum(p.numel() for p in module.parameters())
+        """Number of parameters of each stage this rank holds (its tp shards), by stage index."""
+        return {plan.index: sum(local_tensor(p).numel() for p in module.parameters())
                 for plan, module in zip(self.stage_plans, self.stage_modules)}
 
     def debug_summary(self) -> str:
         """A few lines: this rank, its stages, their blocks and parameter counts."""
         head = (f"pp rank {self.groups.pp_rank}/{self.groups.pp_size} (dp size "
-                f"{self.groups.dp_size}), schedule {self.plan.schedule}, "
-                f"{self.plan.num_microbatches} microbatches, device {self.device}")
+                f"{self.groups.dp_size}, tp size {self.groups.tp_size}), schedule "
+                f"{self.plan.schedule}, {self.plan.num_microbatches} microbatches, device "
+                f"{self.device}")
         lines = [head]
         counts = self.stage_param_counts()
         for plan, module in zip(self.stage_plans, self.stage_modules):

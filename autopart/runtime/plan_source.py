@@ -27,12 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_plan(plan: Plan | str | Path, source: nn.Module | str, chain: BlockChain,
-                 groups: Groups, device_type: str,
+                 groups: Groups | None, device_type: str,
                  plan_options: dict[str, Any] | None = None) -> Plan:
-    """The ``Plan`` named by ``plan``; only ``"auto"`` runs a collective (a broadcast)."""
+    """The ``Plan`` named by ``plan``; only ``"auto"`` (which needs ``groups``) runs a
+    collective (a broadcast)."""
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, str) and plan == "auto":
+        assert groups is not None, "plan='auto' plans for known groups"
         return _auto_plan(source, chain, groups, device_type, dict(plan_options or {}))
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)

@@ -6,7 +6,10 @@ seen, what was expected and what to do.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+
+import torch.distributed as dist
 
 from autopart.errors import PlanError, RuntimeSetupError
 from autopart.intake import BlockChain
@@ -38,6 +41,8 @@ def thread_mismatch(profile_threads: int, rank_threads: int, *, pp_size: int,
             f"`autopart profile {model} --threads {rank_threads}` (or `--pp {pp_size}` on the "
             f"machine that will host the ranks) and plan again")
 
+logger = logging.getLogger(__name__)
+
 
 def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
     """Raise ``RuntimeSetupError`` for models the runtime cannot train as given."""
@@ -47,8 +52,20 @@ def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
             f"stage; pass loss_fn=... to auto_pipeline on every rank")
 
 
-def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, where: str = "the plan") -> None:
-    """Raise ``RuntimeSetupError`` unless ``plan`` fits ``chain`` and a pp group of ``pp_size``."""
+def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, tp_size: int = 1,
+               dp_size: int | None = None, where: str = "the plan") -> None:
+    """Raise ``RuntimeSetupError`` unless ``plan`` fits ``chain`` and the groups' sizes.
+
+    A tp size other than the plan's is refused (the plan's memory assumes its split);
+    a dp size other than the plan's (``dp_size`` given) only warns, on rank 0.
+    """
+    if plan.tp_size != tp_size:
+        raise RuntimeSetupError(
+            f"{where} is for tp_size {plan.tp_size} but the device mesh has {tp_size} "
+            f"tensor-parallel rank(s); pass a mesh whose 'tp' dimension has {plan.tp_size} "
+            f"(or no mesh: one is built from the plan) or make a plan for tp {tp_size}")
+    if dp_size is not None:
+        _warn_plan_mismatch(plan, dp_size)
     if plan.pp_size != pp_size:
         raise RuntimeSetupError(
             f"{where} is for pp_size {plan.pp_size} but the pipeline group has {pp_size} "
@@ -72,6 +89,19 @@ def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, where: str = "the
                 f"{where}: stage {stage.index} is placed on rank {stage.rank} but schedule "
                 f"{plan.schedule} ({info.style} placement) runs it on rank {expected}; "
                 f"regenerate the plan")
+
+
+def _warn_plan_mismatch(plan: Plan, dp_size: int) -> None:
+    if not dist.is_initialized() or dist.get_rank() != 0:
+        return
+    if plan.dp_size != dp_size:
+        logger.warning("the plan is for dp_size %d but the data-parallel group has %d "
+                       "replica(s); the plan's memory and time predictions assume %d",
+                       plan.dp_size, dp_size, plan.dp_size)
+    if plan.zero_stage:
+        logger.warning("the plan assumes ZeRO-%d (optimizer state split over dp replicas) "
+                       "but autopart's runtime keeps the whole optimizer state on every "
+                       "replica: memory can exceed the plan's prediction", plan.zero_stage)
 
 
 def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
