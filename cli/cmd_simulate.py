@@ -1,4 +1,5 @@
-"""``autopart simulate PLAN``: replay a plan's schedule, draw the timeline, write a trace."""
+"""``autopart simulate PLAN``: replay a plan's schedule, draw the timeline (text or
+``--png``), write a trace."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from autopart.errors import PlanError
 from autopart.jsonio import check_writable
 from autopart.schema import Plan
 from autopart.simulate import render_timeline, simulate_plan, write_trace
+from autopart.simulate.picture import require_matplotlib, save_timeline_png
 
 from ._format import gib
 
@@ -25,14 +27,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="write the Chrome/Perfetto trace JSON here (open in ui.perfetto.dev)")
     p.add_argument("--width", type=int, default=100, help="timeline width in characters")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="also draw the timeline as a PNG (needs matplotlib: "
+                        "pip install 'autopart[plot]')")
 
 
 def run(args: argparse.Namespace) -> int:
     """Simulate the plan and print the timeline."""
     if args.width < 10:
         raise PlanError(f"--width must be at least 10 characters, got {args.width}")
-    if args.trace:
-        check_writable(args.trace)
+    for path in (args.trace, args.png):
+        if path:
+            check_writable(path)
+    if args.png:
+        require_matplotlib()  # before simulating, not after
     plan = Plan.load(args.plan)
     result = simulate_plan(plan)
     console = Console(width=None if sys.stdout.isatty() else args.width + 20)
@@ -47,4 +55,10 @@ def run(args: argparse.Namespace) -> int:
         names = [f"stage {s.index}: {s.modules[0]}..{s.modules[-1]}" for s in plan.stages]
         write_trace(result, args.trace, stage_names=names)
         console.print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    if args.png:
+        title = (f"{plan.model_name or 'plan'}: pp={plan.pp_size} v={plan.virtual_stages} "
+                 f"{plan.schedule} m={plan.num_microbatches}, predicted step "
+                 f"{result.step_ms:.1f} ms")
+        save_timeline_png([(title, result.events)], args.png, num_ranks=plan.pp_size)
+        console.print(f"timeline written to {args.png}")
     return 0

@@ -21,6 +21,7 @@ from autopart.errors import RuntimeSetupError
 from autopart.jsonio import check_writable
 from autopart.schema import Plan, Profile
 from autopart.simulate import simulate_plan
+from autopart.simulate.picture import require_matplotlib
 from autopart.verify import (
     RunReport,
     RunSettings,
@@ -29,6 +30,7 @@ from autopart.verify import (
     write_comparison_trace,
 )
 from autopart.verify.report import report_thread_mismatch
+from autopart.verify.trace import save_comparison_png
 
 from ._format import gib
 from ._progress import progress_bar
@@ -53,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the run report here")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="write one Perfetto trace: measured and simulated step")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="draw the measured and the predicted step one above the other "
+                        "(needs matplotlib: pip install 'autopart[plot]')")
     p.add_argument("--profile", default=None, metavar="PROFILE",
                    help="the profile the plan was made from (for --calibrated-profile)")
     p.add_argument("--calibrated-profile", default=None, metavar="OUT",
@@ -63,9 +68,11 @@ def run(args: argparse.Namespace) -> int:
     """Verify, print the comparison, write the requested files."""
     if bool(args.profile) != bool(args.calibrated_profile):
         raise RuntimeSetupError("--profile and --calibrated-profile go together; give both")
-    for path in (args.json, args.trace, args.calibrated_profile):
+    for path in (args.json, args.trace, args.calibrated_profile, args.png):
         if path:
             check_writable(path)  # before the run, not after
+    if args.png:
+        require_matplotlib()
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile) if args.profile else None
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // plan.pp_size)
@@ -83,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         write_comparison_trace(report, simulate_plan(plan), args.trace)
         console.print(f"trace (measured + simulated) written to {args.trace}")
+    if args.png:
+        save_comparison_png(report, simulate_plan(plan), args.png)
+        console.print(f"timelines (measured above predicted) written to {args.png}")
     if profile is not None:
         calibrate_profile(profile, report, plan, source=args.json or "").save(
             args.calibrated_profile)

@@ -213,3 +213,11 @@ def test_plan_records_profile_threads(profile):
                                                                       num_threads=3))
     plan = make_plan(threaded, pp_size=2, num_microbatches=4, schedule="1f1b")
     assert plan.profile_threads == 3
+
+
+def test_comparison_png_has_both_steps(plan, report, tmp_path):
+    """``verify --png``: the measured median step above the simulated one, as a PNG."""
+    from autopart.verify.trace import save_comparison_png
+
+    out = save_comparison_png(report, simulate_plan(plan), tmp_path / "cmp.png")
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from autopart.jsonio import write_text
-from autopart.simulate import SimResult
+from autopart.simulate import SimEvent, SimResult
 from autopart.verify.report import RunReport
 
-__all__ = ["comparison_trace", "write_comparison_trace"]
+__all__ = ["comparison_trace", "save_comparison_png", "write_comparison_trace"]
 
 _PROCESSES = ((0, "measured"), (1, "simulated"), (2, "simulated sends"))
 
@@ -66,3 +66,29 @@ def _span(name: str, pid: int, tid: int, start_ms: float, end_ms: float,
           cat: str) -> dict[str, Any]:
     return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": start_ms * 1e3,
             "dur": max(0.0, end_ms - start_ms) * 1e3}
+
+
+def save_comparison_png(report: RunReport, sim: SimResult, path: str | Path) -> Path:
+    """The measured median step above the simulated one, one row per rank, as a PNG.
+
+    Args:
+        report: The run (its ``measured_events``).
+        sim: The plan's simulated step (``simulate_plan``).
+        path: The PNG to write.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        PlotError: matplotlib is not installed (one line with the install command).
+    """
+    from autopart.simulate.picture import save_timeline_png
+
+    measured = [SimEvent(rank=rank, stage_idx=stage, microbatch_idx=mb, kind=kind,
+                         start_ms=start, end_ms=end)
+                for rank, kind, stage, mb, start, end in report.measured_events]
+    return save_timeline_png(
+        [(f"measured: {report.model}, {report.schedule}, m={report.num_microbatches}, step "
+          f"{report.measured_step_ms:.1f} ms (median step)", measured),
+         (f"predicted: step {report.predicted_step_ms:.1f} ms", sim.events)],
+        path, num_ranks=report.pp_size)
