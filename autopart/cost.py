@@ -1,13 +1,26 @@
 """Pure cost functions: block costs + training setup -> stage times, memory and comm.
 
 Nothing here knows about schedules or solvers. The simulator turns StageCosts into
-a step time; the solvers evaluate candidate stages through ``BlockArrays`` (prefix
-sums, O(1) per stage).
+a step time and per-rank peaks; the solvers evaluate candidate stages through
+``BlockArrays`` (prefix sums, O(1) per stage).
 
-Memory model (DESIGN.md): per rank,
-    static      = params + grads + optimizer state (+ fp32 master weights)
-    activations = in_flight(stage) * activation_bytes(stage), summed over its stages
-    plus boundary send/recv buffers and the largest transient workspace.
+Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per stage:
+
+- ``static_bytes``: params + grads + optimizer state (+ master weights), from the
+  ``TrainingSetup`` precision preset (``static_bytes_per_param``).
+- ``activation_bytes``, held by one microbatch from its F until its backward: the
+  blocks' saved activations (under recompute, only the checkpointed blocks' inputs,
+  ``checkpointed``), plus the stage output that torch keeps in ``fwd_cache`` until
+  the backward (for a causal LM's last stage, the logits: the loss runs outside the
+  stage), less the first block's saved input, which lives in a receive buffer.
+- receive buffers (``recv_buffer_bytes``): torch allocates one activation buffer and
+  one gradient buffer per microbatch (``args_recv_info[mb]``, ``grad_recv_info[mb]``)
+  at the first step and keeps them: ``m * (input_bytes + output_bytes)``.
+- ``transient_bytes``: the largest block workspace on top of that block's saved
+  activations (the profile measures it at the block's own peak, so a workspace that
+  peaks after autograd freed saved tensors adds only the excess); under recompute
+  the largest rebuilt block's activations come on top. The simulator adds it to the
+  activations held while the stage computes, not to the rank's overall peak.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ __all__ = [
     "BlockArrays",
     "StageCost",
     "block_arrays",
+    "checkpointed",
     "comm_ms",
+    "recv_buffer_bytes",
     "stage_cost",
     "static_bytes_per_param",
     "step_overhead_ms",
@@ -40,7 +55,8 @@ class StageCost:
     """W."""
     static_bytes: int
     activation_bytes: int
-    """Held from this stage's F of a microbatch until its backward of that microbatch."""
+    """Held from this stage's F of a microbatch until its backward of that microbatch:
+    saved activations + the held output, less the input kept in a receive buffer."""
     input_bytes: int
     """Received from the previous stage per microbatch (0 for the first stage)."""
     output_bytes: int
@@ -53,6 +69,24 @@ class StageCost:
     def bwd_ms(self) -> float:
         """Full backward B + W."""
         return self.bwd_input_ms + self.bwd_weight_ms
+
+
+_NOT_CHECKPOINTED = ("embedding", "norm", "head")
+
+
+def checkpointed(kind: str) -> bool:
+    """Whether a block of ``kind`` is checkpointed when its stage recomputes.
+
+    The one rule shared by the cost model and the runtime (``autopart.runtime``):
+    layers are; the embedding (it saves only token ids), the final norm and the head
+    are not (the loss runs outside the stage, so checkpointing the head saves nothing).
+    """
+    return kind not in _NOT_CHECKPOINTED
+
+
+def recv_buffer_bytes(cost: StageCost, num_microbatches: int) -> int:
+    """torch's receive buffers of a stage: one activation and one gradient per microbatch."""
+    return num_microbatches * (cost.input_bytes + cost.output_bytes)
 
 
 def static_bytes_per_param(setup: TrainingSetup) -> float:
@@ -105,9 +139,16 @@ class BlockArrays:
     prefix_bwd_weight: np.ndarray
     prefix_static: np.ndarray
     prefix_activation: np.ndarray
-    prefix_input_of_block: np.ndarray
-    """Prefix of the bytes each block receives (the previous block's output): the
-    activations a stage keeps under per-block recomputation."""
+    checkpointed: np.ndarray
+    """Per block, whether recomputation checkpoints it (``checkpointed``)."""
+    held_output_bytes: np.ndarray
+    """Per block, what a stage ending there holds per microbatch until its backward:
+    its output (the logits for a causal LM's head, whose loss runs outside the stage)."""
+    prefix_kept: np.ndarray
+    """Prefix of what each block keeps under recomputation: its input (the previous
+    block's output) if checkpointed, else its activations."""
+    prefix_recompute_fwd: np.ndarray
+    """Prefix of the forward time recomputation repeats (checkpointed blocks)."""
     prefix_num_params: np.ndarray
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
@@ -123,7 +164,7 @@ class BlockArrays:
                  + self.prefix_bwd_input[last + 1] - self.prefix_bwd_input[first]
                  + self.prefix_bwd_weight[last + 1] - self.prefix_bwd_weight[first])
         if recompute:
-            total += self.prefix_fwd[last + 1] - self.prefix_fwd[first]
+            total += self.prefix_recompute_fwd[last + 1] - self.prefix_recompute_fwd[first]
         return float(total)
 
 
@@ -139,7 +180,10 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
     act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
     out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
     transient = np.array([b.transient_bytes for b in blocks], dtype=np.int64)
-    input_of_block = np.concatenate([[0], out[:-1]])
+    ckpt = np.array([checkpointed(b.kind) for b in blocks], dtype=bool)
+    held = out.copy()
+    held[-1] = _held_final_output(profile)
+    kept = np.where(ckpt, np.concatenate([[0], out[:-1]]), act)
 
     def prefix(a: np.ndarray) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(a)])
@@ -149,9 +193,24 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         activation_bytes=act, output_bytes=out, transient_bytes=transient,
         num_params=num_params, prefix_fwd=prefix(fwd), prefix_bwd_input=prefix(bwd_in),
         prefix_bwd_weight=prefix(bwd_w), prefix_static=prefix(static),
-        prefix_activation=prefix(act), prefix_input_of_block=prefix(input_of_block),
+        prefix_activation=prefix(act), checkpointed=ckpt, held_output_bytes=held,
+        prefix_kept=prefix(kept), prefix_recompute_fwd=prefix(np.where(ckpt, fwd, 0.0)),
         prefix_num_params=prefix(num_params), overhead=setup.runtime_overhead,
     )
+
+
+def _held_final_output(profile: Profile) -> int:
+    """The last stage's output per microbatch: a causal LM's logits, else the block output.
+
+    The profile's head block ends in the loss (4 bytes), but the pipeline's last stage
+    returns the logits and torch's schedule computes the loss from them.
+    """
+    last = profile.blocks[-1]
+    vocab = profile.model.vocab_size
+    if last.kind != "head" or vocab <= 0:
+        return last.output_bytes
+    setup = profile.setup
+    return setup.micro_batch_size * setup.seq_len * vocab * DTYPE_BYTES.get(setup.dtype, 4)
 
 
 def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = False) -> StageCost:
@@ -159,9 +218,11 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
 
     With a runtime overhead in ``arrays`` (the machine check), F and B each carry the
     runtime's per-action cost and one p2p op per cut next to the stage.
-    With ``recompute`` every block of the stage is checkpointed: a microbatch keeps
-    only each block's input, the backward re-runs the forward, and the largest
-    block's activations are rebuilt transiently during its backward.
+    ``activation_bytes`` follows the module docstring: saved activations (with
+    ``recompute``, only the inputs of checkpointed blocks) + the held output - the
+    first block's input, which torch's receive buffer holds. With ``recompute`` the
+    backward re-runs the checkpointed blocks' forward and the largest one's
+    activations are rebuilt transiently during its backward.
     """
     if not 0 <= first <= last < arrays.num_blocks:
         raise ValueError(f"bad stage bounds {first}..{last} for {arrays.num_blocks} blocks")
@@ -169,12 +230,18 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     fwd = float(arrays.prefix_fwd[last + 1] - arrays.prefix_fwd[first])
     bwd_in = float(arrays.prefix_bwd_input[last + 1] - arrays.prefix_bwd_input[first])
     transient = int(arrays.transient_bytes[sl].max())
+    input_bytes = int(arrays.output_bytes[first - 1]) if first > 0 else 0
     if recompute:
-        bwd_in += fwd
-        act = int(arrays.prefix_input_of_block[last + 1] - arrays.prefix_input_of_block[first])
-        transient += int(arrays.activation_bytes[sl].max())
+        bwd_in += float(arrays.prefix_recompute_fwd[last + 1]
+                        - arrays.prefix_recompute_fwd[first])
+        act = int(arrays.prefix_kept[last + 1] - arrays.prefix_kept[first])
+        rebuilt = arrays.activation_bytes[sl][arrays.checkpointed[sl]]
+        transient += int(rebuilt.max()) if len(rebuilt) else 0
+        first_keeps = input_bytes if arrays.checkpointed[first] else arrays.activation_bytes[first]
     else:
         act = int(arrays.prefix_activation[last + 1] - arrays.prefix_activation[first])
+        first_keeps = arrays.activation_bytes[first]
+    act += int(arrays.held_output_bytes[last]) - min(input_bytes, int(first_keeps))
     last_block = arrays.num_blocks - 1
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
@@ -183,7 +250,7 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
         static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
         activation_bytes=act,
-        input_bytes=int(arrays.output_bytes[first - 1]) if first > 0 else 0,
+        input_bytes=input_bytes,
         output_bytes=int(arrays.output_bytes[last]) if last < last_block else 0,
         transient_bytes=transient,
         param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),

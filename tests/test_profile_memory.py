@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autopart.profile import profile_model
-from autopart.profile.measure import memory_pass
+from autopart.profile.measure import coinciding_workspace, memory_pass
 from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
 from autopart.profile.tasks import BlockTask
 
@@ -118,3 +118,16 @@ def test_measured_activations_match_the_shape_computation():
     assert [b.output_bytes for b in cpu.blocks] == [b.output_bytes for b in meta.blocks]
     layer = cpu.blocks[1]
     assert layer.activation_bytes > 5 * 16 * 64 * 4 and layer.transient_bytes > 0
+
+
+def test_workspace_counts_only_what_exceeds_the_freed_saved_activations():
+    """Hand-worked log: saved s1 (100) and s2 (50) alive, then s1 freed before a
+    workspace of 120 peaks: the peak is 50 + 120 = 170, so the block needs 170 - 150
+    = 20 on top of holding its 150 saved bytes (the old rule said 120)."""
+    live = LiveTensors()
+    live.events = [(1, 100), (2, 50), (3, 10), (3, -10), (1, -100), (4, 120), (4, -120),
+                   (9, 500), (2, -50)]
+    assert coinciding_workspace(live, {1: 100, 2: 50, 7: 64}, in_key=7, exclude={9}) == 20
+    # A workspace while everything is still saved counts whole.
+    live.events = [(1, 100), (2, 50), (4, 120), (4, -120)]
+    assert coinciding_workspace(live, {1: 100, 2: 50}, in_key=None, exclude=set()) == 120

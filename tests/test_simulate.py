@@ -152,23 +152,35 @@ def test_max_in_flight_multi_stage_schedules() -> None:
 
 
 def test_peak_memory_1f1b() -> None:
-    """Rank r of 1F1B peaks at static + transient + in/out buffers + (p - r) activations."""
-    pp = 4
-    res = run("1f1b", pp, 1, 8, output_bytes=50)
-    assert res.rank_peak_memory_bytes == tuple(1000 + 30 + 7 + 50 + (pp - r) * 100
+    """Rank r of 1F1B peaks at static + m receive buffers of input and output + (p - r)
+    activations + its transient."""
+    pp, m = 4, 8
+    res = run("1f1b", pp, 1, m, output_bytes=50)
+    assert res.rank_peak_memory_bytes == tuple(1000 + m * (7 + 50) + (pp - r) * 100 + 30
                                                for r in range(pp))
     assert res.stage_max_in_flight == (4, 3, 2, 1)
 
 
 def test_peak_memory_sums_a_ranks_stages() -> None:
-    """GPipe holds all m; a V rank sums both stages' static and buffers, takes the max
-    transient, and holds activations until W."""
-    assert run("gpipe", 2, 1, 5).rank_peak_memory_bytes == (1000 + 30 + 7 + 5 * 100,) * 2
+    """GPipe holds all m; a V rank sums both stages' static and buffers, and holds
+    activations until W."""
+    assert run("gpipe", 2, 1, 5).rank_peak_memory_bytes == (1000 + 5 * 7 + 5 * 100 + 30,) * 2
     costs = [stage(transient_bytes=30 * (s + 1)) for s in range(2)]
     res = simulate(costs, schedule="zbv", pp_size=1, virtual_stages=2, num_microbatches=3,
                    setup=NO_LATENCY)
-    # order F0s0 F0s1 B0s1 W0s1 F1s0 ...: never more than two microbatches held at once
-    assert res.rank_peak_memory_bytes == (2 * (1000 + 7) + 60 + 2 * 100,)
+    # order F0s0 F0s1 B0s1 W0s1 F1s0 ...: never more than two microbatches held at once,
+    # the peak while stage 1 (workspace 60) runs with both held
+    assert res.rank_peak_memory_bytes == (2 * 1000 + 2 * 3 * 7 + 2 * 100 + 60,)
+
+
+def test_transient_counts_only_while_its_stage_runs() -> None:
+    """ZBV on one rank, m = 1: F0s0 F0s1 B0s1 W0s1 B0s0 W0s0. Stage 0's workspace
+    (300) runs with one microbatch held (100), stage 1's (0) with two: the peak is
+    100 + 300 = 400, not the old 2 * 100 + 300."""
+    costs = [stage(transient_bytes=300), stage(transient_bytes=0)]
+    res = simulate(costs, schedule="zbv", pp_size=1, virtual_stages=2, num_microbatches=1,
+                   setup=NO_LATENCY)
+    assert res.rank_peak_memory_bytes == (2 * 1000 + 2 * 7 + 400,)
 
 
 # --- orders -------------------------------------------------------------------------------------

@@ -138,9 +138,10 @@ def agree(first: TimeFigures, second: TimeFigures) -> bool:
 def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigures:
     """Saved activations, output and transient workspace of one forward + backward.
 
-    With ``backend`` = CUDA, the transient figure is the allocator's peak above the
-    start, less the new saved activations, the output and the input gradient; else
-    (CPU, meta) it is the live-tensor peak less those storages.
+    The transient figure is the workspace on top of the block's saved activations
+    at the block's own peak (``coinciding_workspace``): with ``backend`` = CUDA the
+    allocator's peak above the start, less the new saved activations, the output and
+    the input gradient; else (CPU, meta) the same from the live-tensor log.
     """
     grad_out = incoming_grad(task)
     task.inputs.grad = None
@@ -165,7 +166,7 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     grad_key = storage_key(task.inputs.grad) if task.inputs.grad is not None else None
     output_bytes = tensor_bytes(out)
     if peak is None:
-        transient = live.peak_bytes(set(saved.storages) | {out_key, grad_key})
+        transient = coinciding_workspace(live, saved.storages, in_key, {out_key, grad_key})
     else:
         new_saved = sum(b for k, b in saved.storages.items() if k not in (in_key, out_key))
         grad_bytes = tensor_bytes(task.inputs.grad) if task.inputs.grad is not None else 0
@@ -173,6 +174,25 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     task.inputs.grad = None
     return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=output_bytes,
                          transient_bytes=transient)
+
+
+def coinciding_workspace(live: LiveTensors, saved: dict[int, int], in_key: int | None,
+                         exclude: set[int | None]) -> int:
+    """Live bytes at the block's peak above all of its new saved activations.
+
+    The log counts a saved storage only while it is alive, so a workspace that peaks
+    in the backward, after autograd freed part of the saved activations, adds only
+    what exceeds them: ``transient_bytes`` is what a stage needs on top of holding
+    the block's ``activation_bytes`` (the cost model adds it to them). ``exclude``:
+    the output and the input gradient, counted elsewhere.
+    """
+    new_saved = sum(b for k, b in saved.items() if k != in_key)
+    current = peak = 0
+    for key, delta in live.events:
+        if key not in exclude:
+            current += delta
+            peak = max(peak, current)
+    return max(peak - new_saved, 0)
 
 
 def _forward_only_times(task: BlockTask, backend: Backend, num_warmup: int,

@@ -8,7 +8,8 @@ FQNs and runs the **model's own forward** for every microbatch, with
   shape; the intake trace proved their values never reach this stage's blocks);
 * the stage's first block gets the tensors received from the previous stage in
   place of its stream arguments (``layer(h, h)`` gets the one tensor twice);
-* the stage's blocks run for real (checkpointed when the plan says so);
+* the stage's blocks run for real (its layers checkpointed when the plan says so,
+  by the cost model's rule ``autopart.cost.checkpointed``);
 * the first block after the stage stops the forward, and its stream arguments
   are what the stage sends on. The last stage returns the model's output (HF:
   the logits).
@@ -32,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
+from autopart.cost import checkpointed
 from autopart.intake import BlockChain
 from autopart.intake.forward import (
     StageExit,
@@ -77,7 +79,9 @@ class ForwardStage(Tree):
         self._reuse = bool(chain.trace is not None and chain.trace.stream_reused)
         self._stand_ins: dict[int, StandIn] = {}
         self._shapes: dict = {}  # output shapes shared by this stage's identical stand-ins
-        self._recompute = recompute
+        # The cost model's rule (autopart.cost.checkpointed): layers only.
+        self._checkpointed = ({c for b in blocks if checkpointed(b.kind) for c in b.calls}
+                              if recompute else set())
         self._autocast_dtype = autocast_dtype
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
@@ -88,7 +92,7 @@ class ForwardStage(Tree):
         model_args = args if self.is_first else tuple(inputs)
         received = None if self.is_first else args
         device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
-        recompute = self._recompute and self.training and torch.is_grad_enabled()
+        recompute = bool(self._checkpointed) and self.training and torch.is_grad_enabled()
         swaps = Substitute()
 
         def handler(idx: int, module: nn.Module, original: Callable[..., Any], a: tuple,
@@ -103,7 +107,7 @@ class ForwardStage(Tree):
             a, kw = swaps.swap(a, kw)
             if idx == self._end_call:
                 raise StageExit(self._stream_of(a, kw))
-            if recompute:
+            if recompute and idx in self._checkpointed:
                 return checkpoint(original, *a, use_reentrant=False, **kw)
             return original(*a, **kw)
 

@@ -87,13 +87,15 @@ def _merge_group(parts: list[tuple]) -> list[tuple]:
 
 @lru_cache(maxsize=32)
 def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
-                ) -> tuple[tuple[tuple[int, ...], np.ndarray], ...]:
-    """Per rank: its stages, and one row per distinct moment a forward starts holding
-    activations: how many microbatches each of those stages holds then. Cached.
+                ) -> tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray], ...]:
+    """Per rank: its stages, one row per distinct moment an action runs with how many
+    microbatches each of those stages holds then, and the column of the running stage.
+    Cached.
 
-    A microbatch is held from its ``F`` until its releasing backward (``B``, or ``W``
-    in split schedules), so the rank's peak activation bytes are
-    ``max(counts @ activation_bytes_of_its_stages)``.
+    A microbatch is held from the start of its ``F`` until the end of its releasing
+    backward (``B``, or ``W`` in split schedules), and the running stage's workspace
+    comes on top, so the rank's peak bytes during the step are
+    ``max(counts @ activation_bytes + transient_bytes[running])`` over its stages.
     """
     info = schedule_info(schedule)
     release = 2 if info.split_backward else 1
@@ -105,11 +107,12 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
         held = [0] * len(stages)
         moments = set()
         for entry in row:
-            kind, s = entry[0], entry[1]
+            kind, col = entry[0], column[entry[1]]
             if kind == 0:
-                held[column[s]] += 1
-                moments.add(tuple(held))
-            elif kind == release:
-                held[column[s]] -= 1
-        out.append((stages, np.array(sorted(moments), dtype=np.int64)))
+                held[col] += 1
+            moments.add((*held, col))
+            if kind == release:
+                held[col] -= 1
+        table = np.array(sorted(moments), dtype=np.int64)
+        out.append((stages, table[:, :-1], table[:, -1]))
     return tuple(out)

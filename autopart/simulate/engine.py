@@ -14,13 +14,14 @@ action starts when its rank is free and its input has arrived:
   backward ``B W`` in a split schedule, DualPipeV's overlapped ``F B W``) leave when
   its last part ends, as torch's runtime issues them after the whole action.
 
-Memory per rank (DESIGN.md): static bytes of its stages + the largest transient
-workspace + boundary buffers (one ``input_bytes`` and one ``output_bytes`` per
-stage, an approximation of torch's preallocated recv buffers) + the most
-activation bytes held at once. ``F(s, mb)`` holds ``activation_bytes`` of stage
-``s`` from its start until the end of the releasing backward (``B``, or ``W`` in
-split schedules). Because a rank runs one action at a time this peak follows from
-the order alone.
+Memory per rank (DESIGN.md, ``autopart.cost``): static bytes of its stages + torch's
+receive buffers (``cost.recv_buffer_bytes``: an activation and a gradient buffer per
+microbatch and stage) + the most bytes held at once during an action. ``F(s, mb)``
+holds ``activation_bytes`` of stage ``s`` from its start until the end of the
+releasing backward (``B``, or ``W`` in split schedules); while an action of stage
+``s`` runs, its ``transient_bytes`` come on top of what is held (during ``F``, on top
+of this microbatch's activations too). Because a rank runs one action at a time this
+peak follows from the order alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.cost import StageCost, comm_ms
+from autopart.cost import StageCost, comm_ms, recv_buffer_bytes
 from autopart.errors import PlanError
 from autopart.schedules import schedule_info
 from autopart.schema import TrainingSetup
@@ -301,12 +302,15 @@ def _assert_finished(plan, pos: list[int], waiting: dict[int, int], num_stages: 
 
 def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
                  virtual_stages: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per rank: static + largest transient + boundary buffers + peak activations held."""
+    """Per rank: static + receive buffers + the most held at once, workspace included."""
     peaks = []
-    for stages, counts in held_counts(schedule, pp_size, virtual_stages, num_microbatches):
+    for stages, counts, running in held_counts(schedule, pp_size, virtual_stages,
+                                               num_microbatches):
         act = np.array([stage_costs[s].activation_bytes for s in stages], dtype=np.int64)
-        peak = int((counts @ act).max())
-        base = sum(stage_costs[s].static_bytes + stage_costs[s].input_bytes
-                   + stage_costs[s].output_bytes for s in stages)
-        peaks.append(base + max(stage_costs[s].transient_bytes for s in stages) + peak)
+        work = np.array([stage_costs[s].transient_bytes for s in stages], dtype=np.int64)
+        peak = int((counts @ act + work[running]).max())
+        base = sum(stage_costs[s].static_bytes + recv_buffer_bytes(stage_costs[s],
+                                                                   num_microbatches)
+                   for s in stages)
+        peaks.append(base + peak)
     return tuple(peaks)

@@ -91,6 +91,7 @@ class RunModel:
         self.in_flight = [int(k) for k in in_flight]
         self.limit_bytes = limit_bytes
         self.runs = block_runs(chain)
+        self.num_microbatches = chain.num_microbatches
         self.prob = pulp.LpProblem("autopart_stages", pulp.LpMinimize)
         self.var = getattr(self.prob, "add_variable", pulp.LpVariable)  # PuLP >= 3.3 API
         stages = range(self.num_stages)
@@ -225,6 +226,7 @@ class RunModel:
                                     kept=r.kept / unit, work=r.work / unit,
                                     act_max=r.act_max / unit, out=r.out / unit)
                 for r in self.runs]
+        m = self.num_microbatches
         for rank in sorted(set(self.stage_ranks)):
             transient = new_var(f"tr_{rank}", 0)
             total = transient
@@ -234,18 +236,27 @@ class RunModel:
                     holds = self.holds(k, s)
                     if isinstance(holds, int) and holds == 0:
                         continue
-                    self.le(2 * run.out * holds, buffers)
+                    self.le(m * run.out * holds, buffers)
                     if k:
                         starts = self.first[k][s] - (self.first[k][s - 1] if s else 0)
-                        self.le(2 * runs[k - 1].out * starts, buffers)
+                        self.le(m * runs[k - 1].out * starts, buffers)
                     self.le(run.work * holds + rebuilt, transient)
                     if self.rc is not None:
                         self.le(run.act_max * (holds + self.rc[s] - 1), rebuilt)
                 held = lp_sum(run.act * self.num_in(k, s) - (run.act - run.kept) * self.u[k][s]
                               for k, run in enumerate(runs))
                 total += (lp_sum(run.static * self.num_in(k, s) for k, run in enumerate(runs))
-                          + int(in_flight[s]) * held + buffers)
+                          + int(in_flight[s]) * held + buffers
+                          + (m + int(in_flight[s])) * self._end_out(runs, s))
             self.prob += total <= limit_bytes / unit, f"memory_rank_{rank}"
+
+    def _end_out(self, runs: Sequence[_Run], s: int):
+        """Output bytes of stage ``s``'s last block (0 for the last stage)."""
+        if s + 1 == self.num_stages:
+            return 0
+        return self.pulp.lpSum(run.out * (self.first[k][s] - (self.first[k + 1][s]
+                                                              if k + 1 < len(runs) else 0))
+                               for k, run in enumerate(runs))
 
     def ends(self) -> list[int]:
         """Stage end positions of the solved model."""

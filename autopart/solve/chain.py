@@ -5,19 +5,25 @@ run ``0 .. n``. ``r`` is 1 when the stage recomputes its forward (activation
 checkpointing), else 0. Every solver (DP, ILP, brute force in the tests) uses the
 definitions below, so their answers are comparable:
 
-    time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of blocks i..j-1  + comm(j)
+    time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of checkpointed blocks + comm(j)
     comm(j)            = autopart.cost.comm_ms(output_bytes[j - 1])  for 0 < j < n, else 0
-    memory(i, j, r, k) = static(i..j-1) + k * act_r(i..j-1) + transient_r(i..j-1) + buffers(i, j)
+    memory(i, j, r, k) = static(i..j-1) + k * act_r(i..j-1) + transient_r(i..j-1)
+                         + m * max(out[b] for b in [max(i - 1, 0), j - 1])
+                         + (m + k) * out[j - 1]
 
-``k`` is the stage's in-flight microbatch count (``autopart.simulate.max_in_flight``).
-``act_0`` sums the blocks' ``activation_bytes``; ``act_1`` sums the blocks' inputs
-(what checkpointing keeps); ``transient_0`` is the largest block workspace and
-``transient_1`` adds the largest block activation (rebuilt during backward), as in
-``autopart.cost.stage_cost``. ``buffers(i, j) = 2 * max(output_bytes[b])`` over
-``b in [i - 1, j - 1]`` (the head's output excluded): one receive and one send
-buffer, each bounded by the largest tensor that enters, crosses or leaves the stage.
-It is an upper bound on input_bytes + output_bytes chosen because it keeps
-feasibility closed under shrinking a stage, which the exact DP relies on.
+``k`` is the stage's in-flight microbatch count (``autopart.simulate.max_in_flight``),
+``m`` the number of microbatches, ``out`` the bytes crossing a cut (the head's
+output zeroed). ``act_0`` sums the blocks' ``activation_bytes``; ``act_1`` what
+recomputation keeps (``BlockArrays.prefix_kept``); both add the logits the last
+stage holds. ``transient_0`` is the largest block workspace and ``transient_1`` adds
+the largest checkpointed block's activations (rebuilt during backward), as in
+``autopart.cost.stage_cost``. The last two terms bound torch's receive buffers
+(``m`` activation buffers of the input, ``m`` gradient buffers of the output) and the
+output each in-flight microbatch holds until its backward; the input side takes
+the largest tensor entering, crossing or leaving the stage, which keeps feasibility
+closed under shrinking a stage (the exact DP relies on it). So the closed form is
+the simulator's stage memory or more: it also counts the first stage's absent input
+buffers and the input that the first block saves, which the receive buffer holds.
 
 For a fixed end ``j`` both time and memory are non-increasing in ``i`` (fewer blocks,
 same boundary), so the feasible starts form a window ``[lo(j), j - 1]``.
@@ -76,8 +82,9 @@ class Chain:
 
     num_blocks: int
     time_prefix: tuple[np.ndarray, np.ndarray]
-    """``Q_r``: prefix of F+B+W (+F when r = 1); length n + 1."""
+    """``Q_r``: prefix of F+B+W (+F of checkpointed blocks when r = 1); length n + 1."""
     fwd_prefix: np.ndarray
+    """Prefix of the forward that recomputation repeats (checkpointed blocks)."""
     comm_at: np.ndarray
     """``comm(j)`` for j in 0..n."""
     static_prefix: np.ndarray
@@ -86,6 +93,9 @@ class Chain:
     """Range-max tables of transient_0 parts: (block workspace, block activation)."""
     out_table: np.ndarray
     """Range-max table of cut-crossing output bytes (head output zeroed)."""
+    cut_out: np.ndarray
+    """Cut-crossing output bytes per block (head output zeroed)."""
+    num_microbatches: int
     cache: dict = field(default_factory=dict)
 
     @property
@@ -112,8 +122,11 @@ class Chain:
         transient = range_query(work, np.maximum, i, j)
         if r:
             transient = transient + range_query(act_max, np.maximum, i, j)
-        buffers = 2 * range_query(self.out_table, np.maximum, np.maximum(i - 1, 0), j)
-        return static + in_flight * act + transient.astype(np.int64) + buffers.astype(np.int64)
+        m = self.num_microbatches
+        buffers = m * range_query(self.out_table, np.maximum, np.maximum(i - 1, 0), j)
+        held_out = (m + in_flight) * self.cut_out[j - 1]
+        return (static + in_flight * act + transient.astype(np.int64)
+                + buffers.astype(np.int64) + held_out.astype(np.int64))
 
     def lo_memory(self, r: int, in_flight: int, limit_bytes: float | None) -> np.ndarray:
         """For each end j (0..n) the smallest start i whose stage fits; ``j`` if none."""
@@ -174,22 +187,26 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
     n = arrays.num_blocks
     step = arrays.fwd_ms + arrays.bwd_input_ms + arrays.bwd_weight_ms
     q0 = np.concatenate([[0.0], np.cumsum(step)])
-    q1 = np.concatenate([[0.0], np.cumsum(step + arrays.fwd_ms)])
+    q1 = np.concatenate([[0.0], np.cumsum(step)]) + arrays.prefix_recompute_fwd
     comm = np.zeros(n + 1)
     for j in range(1, n):
         comm[j] = comm_ms(int(arrays.output_bytes[j - 1]), setup)
     cut_out = arrays.output_bytes.astype(np.float64).copy()
     cut_out[-1] = 0.0
+    logits = np.zeros(n + 1, dtype=np.int64)
+    logits[-1] = arrays.held_output_bytes[-1]
+    rebuilt = np.where(arrays.checkpointed, arrays.activation_bytes, 0)
     return Chain(
         num_blocks=n,
         time_prefix=(q0, q1),
-        fwd_prefix=arrays.prefix_fwd.astype(np.float64),
+        fwd_prefix=arrays.prefix_recompute_fwd.astype(np.float64),
         comm_at=comm,
         static_prefix=arrays.prefix_static.astype(np.int64),
-        act_prefix=(arrays.prefix_activation.astype(np.int64),
-                    arrays.prefix_input_of_block.astype(np.int64)),
+        act_prefix=(arrays.prefix_activation.astype(np.int64) + logits,
+                    arrays.prefix_kept.astype(np.int64) + logits),
         transient_table=(range_table(arrays.transient_bytes.astype(np.float64), np.maximum),
-                         range_table(arrays.activation_bytes.astype(np.float64),
-                                      np.maximum)),
+                         range_table(rebuilt.astype(np.float64), np.maximum)),
         out_table=range_table(cut_out, np.maximum),
+        cut_out=cut_out,
+        num_microbatches=setup.num_microbatches,
     )

@@ -1,0 +1,78 @@
+"""The memory model end to end (profile -> cost.stage_cost -> simulate), hand-worked.
+
+Every figure below is worked out from the rules in ``autopart/cost.py``: torch's
+receive buffers per microbatch, the stage output held until its backward (the
+logits for a causal LM's last stage), the first block's saved input living in the
+receive buffer, the workspace on top of the held activations while a stage runs,
+and recomputation of the layers only.
+"""
+
+from __future__ import annotations
+
+from autopart.cost import block_arrays, checkpointed, stage_cost
+from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
+from autopart.simulate import simulate
+
+
+def _block(name: str, kind: str, act: int, out: int, transient: int,
+           params: int) -> BlockProfile:
+    return BlockProfile(name=name, kind=kind, fwd_ms=1.0, bwd_ms=2.0, bwd_input_ms=1.0,
+                        bwd_weight_ms=1.0, param_bytes=4 * params, activation_bytes=act,
+                        output_bytes=out, transient_bytes=transient, num_params=params)
+
+
+def _llm() -> Profile:
+    """emb, two layers, head+loss; 1 x 2 tokens, vocabulary 8: logits of 2 * 8 * 4 = 64 B."""
+    blocks = (_block("emb", "embedding", 8, 100, 50, 10),
+              _block("l0", "decoder_layer", 400, 100, 60, 20),
+              _block("l1", "decoder_layer", 400, 100, 60, 20),
+              _block("head", "head", 300, 4, 500, 10))
+    return Profile(model=ModelInfo(name="m", fingerprint="f", num_params=60, vocab_size=8),
+                   setup=ProfileSetup(backend="cpu", device_name="cpu", dtype="float32",
+                                      micro_batch_size=1, seq_len=2, torch_version="x"),
+                   blocks=blocks)
+
+
+SETUP = TrainingSetup(pp_size=2, num_microbatches=4, optimizer="none")
+"""fp32 params + grads: 8 B per parameter."""
+
+
+def test_1f1b_pp2_m4_by_hand():
+    """Stage 0 = emb, l0; stage 1 = l1, head.
+
+    Stage 0: static 30 * 8 = 240; holds 8 + 400 saved + its output 100 = 508 per
+    microbatch; receives 4 gradient buffers of 100; workspace max(50, 60) = 60. Rank 0
+    runs F0 F1 B0 F2 B1 F3 B2 B3: two microbatches held, so 240 + 400 + 2 * 508 + 60.
+    Stage 1: static 240; holds 400 + 300 saved + the logits 64 - its input 100, which
+    is the receive buffer; 4 activation buffers of 100; workspace 500. Rank 1 holds
+    one microbatch: 240 + 400 + 664 + 500.
+    """
+    arrays = block_arrays(_llm(), SETUP)
+    costs = [stage_cost(arrays, 0, 1), stage_cost(arrays, 2, 3)]
+    assert [c.activation_bytes for c in costs] == [508, 664]
+    assert [(c.input_bytes, c.output_bytes) for c in costs] == [(0, 100), (100, 0)]
+    res = simulate(costs, schedule="1f1b", pp_size=2, virtual_stages=1, num_microbatches=4,
+                   setup=SETUP)
+    assert res.rank_peak_memory_bytes == (240 + 400 + 2 * 508 + 60, 240 + 400 + 664 + 500)
+
+
+def test_gpipe_holds_every_microbatch_and_its_output():
+    """GPipe rank 0 holds all 4 microbatches (508 each) before the first backward."""
+    arrays = block_arrays(_llm(), SETUP)
+    costs = [stage_cost(arrays, 0, 1), stage_cost(arrays, 2, 3)]
+    res = simulate(costs, schedule="gpipe", pp_size=2, virtual_stages=1, num_microbatches=4,
+                   setup=SETUP)
+    assert res.rank_peak_memory_bytes == (240 + 400 + 4 * 508 + 60,
+                                          240 + 400 + 4 * 664 + 500)
+
+
+def test_recompute_checkpoints_layers_only():
+    """Stage 1 under recompute: l1 keeps its input (100, the receive buffer, so 0 more),
+    the head is not checkpointed and keeps its 300; + logits 64. The backward re-runs
+    l1's forward only (1 ms), and rebuilds l1's 400 on top of the workspace 500."""
+    assert [checkpointed(k) for k in ("embedding", "decoder_layer", "block", "norm", "head")] \
+        == [False, True, True, False, False]
+    cost = stage_cost(block_arrays(_llm(), SETUP), 2, 3, recompute=True)
+    assert cost.activation_bytes == 100 + 300 + 64 - 100
+    assert cost.bwd_input_ms == 2.0 + 1.0
+    assert cost.transient_bytes == 500 + 400
