@@ -16,6 +16,7 @@ __all__ = [
     "SCHEDULES",
     "ScheduleInfo",
     "check_schedule",
+    "recompute_allowed",
     "schedule_info",
     "stage_to_rank",
     "stages_of_rank",
@@ -106,3 +107,13 @@ def check_schedule(name: str, pp_size: int, virtual_stages: int, num_microbatche
             raise PlanError(f"schedule {name} needs num_microbatches ({num_microbatches}) to be "
                             f"a multiple of num_microbatches // pp ({num_rounds}); use a "
                             f"multiple of --pp ({pp_size})")
+
+
+def recompute_allowed(name: str, allow_recompute: bool) -> bool:
+    """Whether the planner may choose recomputation under schedule ``name``.
+
+    Not under split-backward schedules: B and W run as separate autograd passes, and
+    each pass re-runs a checkpointed stage's forward, so recomputation costs several
+    forwards there. The search and the out-of-memory message both follow this rule.
+    """
+    return allow_recompute and not schedule_info(name).split_backward

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from solve_helpers import GIB, brute_force, chain_of, llama_like, make_block, make_profile
+from solve_helpers import GIB, MIB, brute_force, chain_of, llama_like, make_block, make_profile
 
 from autopart.errors import InfeasibleError, PlanError
 from autopart.schema import Plan
@@ -220,4 +220,19 @@ def test_infeasible_names_the_memory_that_fits():
     need = int(str(info.value).split("smallest limit that fits is ")[1].split(" bytes")[0])
     plan = make_plan(profile, pp_size=4, num_microbatches=8, schedule="1f1b",
                      memory_limit_bytes=need, allow_recompute=False)
+    assert all(r.peak_memory_bytes <= need for r in plan.ranks)
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("zbv", 2), ("1f1b", 1),
+                                                   ("interleaved-1f1b", 2)])
+def test_the_reported_smallest_limit_plans(schedule, virtual):
+    """Planning at the limit the error names succeeds, recompute allowed (ZBV never
+    recomputes, so its limit must be the one without recomputation)."""
+    profile = llama_like(8, act_bytes=GIB, head_act_bytes=GIB // 4)
+    kwargs = {"pp_size": 2, "num_microbatches": 4, "schedule": schedule,
+              "virtual_stages": virtual}
+    with pytest.raises(InfeasibleError) as info:
+        make_plan(profile, memory_limit_bytes=100 * MIB, **kwargs)
+    need = int(str(info.value).split("smallest limit that fits is ")[1].split(" bytes")[0])
+    plan = make_plan(profile, memory_limit_bytes=need, **kwargs)
     assert all(r.peak_memory_bytes <= need for r in plan.ranks)

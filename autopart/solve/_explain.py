@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from autopart.errors import InfeasibleError
-from autopart.schedules import schedule_info, stage_to_rank
+from autopart.schedules import recompute_allowed, schedule_info, stage_to_rank
 from autopart.schema import Profile
 from autopart.simulate import max_in_flight
 from autopart.solve.assemble import Evaluated
@@ -93,7 +93,8 @@ def infeasible(settings: Mapping[int, Setting], configs: Sequence[Config],
                                   config.num_microbatches)
         value = min_fitting_limit(settings[config.num_microbatches].chain,
                                   in_flight=in_flight, num_virtual=config.virtual_stages,
-                                  allow_recompute=options.allow_recompute)
+                                  allow_recompute=recompute_allowed(config.schedule,
+                                                                   options.allow_recompute))
         if need is None or value < need:
             need, where = value, config.label.replace(" ", ", ")
     limit_text = "no limit" if limit is None else f"{limit} bytes ({_size(limit)})"

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from autopart.errors import PlanError
-from autopart.schedules import schedule_info, stage_to_rank
+from autopart.schedules import recompute_allowed, schedule_info, stage_to_rank
 from autopart.schema import SolverInfo
 from autopart.simulate import max_in_flight
 from autopart.solve.baselines import BASELINES, baseline_split
@@ -42,9 +42,8 @@ def propose(setting: Setting, config: Config, options: Options) -> list[Candidat
 
 
 def _recompute_allowed(config: Config, options: Options) -> bool:
-    """Split-backward schedules run B and W as separate autograd passes, and each pass
-    re-runs a checkpointed stage's forward: recomputation costs several forwards there."""
-    return options.allow_recompute and not schedule_info(config.schedule).split_backward
+    """``schedules.recompute_allowed`` (none under split-backward schedules)."""
+    return recompute_allowed(config.schedule, options.allow_recompute)
 
 
 def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candidate]:
