@@ -152,6 +152,8 @@ class BlockArrays:
     prefix_num_params: np.ndarray
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
+    glue_fwd_ms: float = 0.0
+    """The model's code between blocks, which every stage runs per F (the profile's)."""
 
     @property
     def num_blocks(self) -> int:
@@ -196,6 +198,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_activation=prefix(act), checkpointed=ckpt, held_output_bytes=held,
         prefix_kept=prefix(kept), prefix_recompute_fwd=prefix(np.where(ckpt, fwd, 0.0)),
         prefix_num_params=prefix(num_params), overhead=setup.runtime_overhead,
+        glue_fwd_ms=profile.setup.glue_fwd_ms,
     )
 
 
@@ -217,7 +220,8 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     """Cost of the stage holding blocks ``first .. last`` (inclusive).
 
     With a runtime overhead in ``arrays`` (the machine check), F and B each carry the
-    runtime's per-action cost and one p2p op per cut next to the stage.
+    runtime's per-action cost and one p2p op per cut next to the stage; F also carries
+    the model's code between blocks (``ProfileSetup.glue_fwd_ms``), which every stage runs.
     ``activation_bytes`` follows the module docstring: saved activations (with
     ``recompute``, only the inputs of checkpointed blocks) + the held output - the
     first block's input, which torch's receive buffer holds. With ``recompute`` the
@@ -245,7 +249,7 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     last_block = arrays.num_blocks - 1
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
-        fwd_ms=fwd + fwd_extra,
+        fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms,
         bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
         static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),

@@ -162,6 +162,9 @@ class ProfileSetup:
     memory_source: str = "measured"
     """``measured`` (allocator / saved-tensor hooks) or ``computed`` (shapes on meta)."""
     num_threads: int = 0
+    glue_fwd_ms: float = 0.0
+    """The model's own code between blocks (masks, rotary tables, embedding scaling) for
+    one microbatch's forward; every pipeline stage runs it per F (0: not measured)."""
     load_average: tuple[float, ...] = ()
     """1-minute load average before and after measuring (empty for analytical profiles):
     above the core count, other work shared the CPU and the times are suspect."""

@@ -138,6 +138,12 @@ def test_json_round_trip(tiny, tmp_path):
 # --- reuse ---------------------------------------------------------------------------------------
 
 
+def test_the_glue_between_blocks_is_timed(tiny):
+    """Masks and rotary tables run outside the blocks: a positive time, below the blocks'."""
+    assert 0 < tiny.setup.glue_fwd_ms < sum(b.fwd_ms for b in tiny.blocks)
+    assert len(tiny.setup.load_average) == 2
+
+
 def test_identical_layers_are_measured_once(tiny):
     layers = [b for b in tiny.blocks if b.kind == "decoder_layer"]
     assert layers[0].reused_from is None

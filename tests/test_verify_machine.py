@@ -121,3 +121,16 @@ def test_check_machine_runs_for_real():
     assert out.backend == "gloo" and out.num_threads == 1
     assert 0 <= out.fwd_action_ms < 50 and 0 <= out.bwd_action_ms < 50
     assert out.link_bandwidth_bytes_per_s > 0 and out.link_latency_ms > 0
+
+
+def test_every_stage_forward_carries_the_model_glue():
+    """glue 0.3 ms: each stage's F grows by it (with the check's 0.5 + p2p on top)."""
+    base = _three_blocks()
+    profile = dataclasses.replace(base, setup=dataclasses.replace(base.setup, glue_fwd_ms=0.3))
+    plain = block_arrays(profile, TrainingSetup(pp_size=3, num_microbatches=1))
+    assert stage_cost(plain, 0, 0).fwd_ms == pytest.approx(1.3)
+    assert stage_cost(plain, 1, 2).fwd_ms == pytest.approx(2.3)
+    assert stage_cost(plain, 1, 2).bwd_input_ms == pytest.approx(2.0)  # no glue in B
+    checked = block_arrays(profile, TrainingSetup(pp_size=3, num_microbatches=1,
+                                                  runtime_overhead=OVERHEAD))
+    assert stage_cost(checked, 1, 1).fwd_ms == pytest.approx(1.0 + 0.3 + 0.5 + 0.25)

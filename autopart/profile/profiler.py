@@ -95,7 +95,10 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
         load_before = load_average()
-        blocks = _profile_blocks(model, chain, runner, engine, backend, dtype, progress)
+        blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
+                                          progress)
+        timed_glue = isinstance(engine, MeasuringEngine) and engine.device.type in ("cpu", "cuda")
+        glue_ms = runner.time_glue(outputs) if timed_glue else 0.0
     setup = ProfileSetup(
         backend=backend, device_name=engine.device_name, dtype=dtype,
         micro_batch_size=micro_batch_size, seq_len=seq_len, torch_version=torch.__version__,
@@ -103,7 +106,7 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_warmup=0 if backend.startswith("analytical") else num_warmup,
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
         time_source=engine.time_source, memory_source=engine.memory_source,
-        num_threads=torch.get_num_threads(),
+        num_threads=torch.get_num_threads(), glue_fwd_ms=round(glue_ms, 4),
         load_average=() if backend.startswith("analytical") else (load_before,
                                                                    load_average()),
         attn_implementation=str(getattr(getattr(model, "config", None),
@@ -115,14 +118,15 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
 
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                     engine: _Engine, backend: str, dtype: str,
-                    progress: ProgressFn | None) -> list[BlockProfile]:
-    """Watch the forward: measure each new kind of call, reuse identical ones."""
+                    progress: ProgressFn | None) -> tuple[list[BlockProfile], dict[int, Any]]:
+    """Watch the forward: measure each new kind of call, reuse identical ones; the blocks'
+    profiles and every call's output (as the model's code saw it)."""
     hf_init = getattr(model, "_init_weights", None) if chain.family == "hf_causal_lm" else None
     block_of = {c: b for b in chain.blocks for c in b.calls}
     seen: dict[str, tuple[_CallFigures, Any, int]] = {}
     done: dict[int, tuple[_CallFigures, str]] = {}
     contexts: dict[int, int] = {}
-
+    outputs: dict[int, Any] = {}
     checked: set[str] = set()
 
     def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -148,6 +152,7 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                         figures.figures.times.fwd_ms, figures.figures.times.bwd_ms)
         if progress is not None and idx == block.calls[-1]:
             progress(chain.blocks.index(block) + 1, len(chain.blocks), block.name)
+        outputs[idx] = output
         return output
 
     runner.run(visit)
@@ -161,7 +166,7 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
         first_of.setdefault(tuple(done[c][1] for c in block.calls), block.name)
     return [_block_profile(block, [done[c][0] for c in block.calls],
                            first_of[tuple(done[c][1] for c in block.calls)])
-            for block in chain.blocks]
+            for block in chain.blocks], outputs
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@ next-token loss on HF causal LMs, ``output.float().pow(2).mean()`` otherwise.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +99,19 @@ class ForwardRunner:
         finally:
             for module, name, buf in moved:
                 module._buffers[name] = buf
+
+    def time_glue(self, outputs: dict[int, Any], num_repeats: int = 5) -> float:
+        """Median ms of the model's own code between blocks: the forward with every block
+        call answered at once by its recorded output (``outputs[call_idx]``). Every
+        pipeline stage runs this code for each microbatch it forwards."""
+        times = []
+        for _ in range(num_repeats):
+            start = time.perf_counter()
+            self.run(lambda idx, module, args, kwargs: outputs[idx])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
 
     def to_glue(self, output: Any) -> Any:
         """A block's output as the model's code should see it (zeros when it ran on meta)."""
