@@ -405,12 +405,14 @@ class SolverInfo:
     """``dp`` or ``ilp``; or the baseline (``even``, ``params``, ``torchtitan``) whose split
     won the search or was asked for with ``partition``."""
     status: str
-    """``optimal`` (proven), ``heuristic`` (a baseline partition was asked for),
-    ``baseline`` (a baseline split won the search), or ``time_limit`` (the ILP's best
-    split when its time limit cut it off)."""
+    """``model_optimal`` (the DP or ILP proved the split optimal for its closed-form
+    model of the step; the simulator, which judges, may still find a faster split:
+    see ``refined``), ``heuristic`` (a baseline partition was asked for), ``baseline``
+    (a baseline split won the search), or ``limit`` (the ILP's best split when its node
+    or time limit stopped it). Plans written before say ``optimal`` / ``time_limit``."""
     gap: float | None = 0.0
     """Relative gap between the ILP's split and its bound: 0 when proven optimal,
-    ``None`` when the ILP stopped at its time limit without reporting one."""
+    ``None`` when the ILP stopped at its limit without reporting one."""
     objective_ms: float | None = None
     """The solver's closed-form objective, before the split was simulated."""
     backend: str = ""

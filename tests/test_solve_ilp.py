@@ -86,3 +86,16 @@ def test_benchmark_case_is_proved_optimal(backend):
     edges = [i for i, _ in sol.bounds] + [chain.num_blocks]
     assert edges[0] == 0 and all(a < b for a, b in itertools.pairwise(edges))
     assert sol.objective_ms == pytest.approx(962.841432, rel=1e-9)
+
+
+@pytest.mark.parametrize("num_layers,pp,v", [(14, 2, 2), (21, 3, 2), (10, 2, 3)])
+def test_backends_break_ties_the_same_way(num_layers, pp, v):
+    """Identical decoder layers make many splits equally fast: HiGHS and CBC, bounded by
+    nodes (no clock), return the same split, the one with the earliest cuts."""
+    chain = chain_of(llama_like(num_layers, head_ms=1.0))
+    ranks = [stage_to_rank(s, pp, v, "loop") for s in range(pp * v)]
+    sols = [solve_ilp(chain, stage_ranks=ranks, in_flight=[1] * (pp * v), num_microbatches=8,
+                      backend=backend, max_nodes=10_000) for backend in ("highs", "cbc")]
+    assert all(sol.status == "optimal" for sol in sols)
+    assert sols[0].bounds == sols[1].bounds
+    assert sols[0].objective_ms == pytest.approx(sols[1].objective_ms, rel=1e-12)

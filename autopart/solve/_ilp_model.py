@@ -149,6 +149,10 @@ class RunModel:
         self.le(count, f + (run.size - 1) * e)
         return count
 
+    def blocks_up_to(self, s: int):
+        """Blocks in stages ``<= s`` (the position of the cut after stage ``s``)."""
+        return self.pulp.lpSum(self.count[k][s] for k in range(len(self.runs)))
+
     def num_in(self, k: int, s: int):
         """``n[k, s]``: blocks of run k in stage s."""
         return self.count[k][s] - (self.count[k][s - 1] if s else 0)

@@ -39,6 +39,8 @@ _LOG = logging.getLogger(__name__)
 
 _GAP_REL = 1e-9
 """Relative gap at which a solver may call its plan optimal (HiGHS defaults to 1e-4)."""
+_TIE_WEIGHT = 1e-5
+"""The tie-break term's largest value, relative to the blocks' total time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,25 +51,28 @@ class ILPSolution:
     recompute: tuple[bool, ...]
     objective_ms: float
     status: str
-    """``optimal`` or ``time_limit`` (a feasible plan, maybe not optimal)."""
+    """``optimal`` (for the model above) or ``limit`` (the node or time limit stopped
+    the solver: a feasible plan, maybe not optimal)."""
     backend: str
     gap: float | None
     """Relative gap to the best bound; 0 when optimal, None when the backend hides it."""
 
 
-def _backend(name: str, time_limit_s: float):
+def _backend(name: str, time_limit_s: float | None, max_nodes: int | None):
     import pulp
 
     if name == "auto":
         name = "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
     if name == "highs":
+        extra = {} if max_nodes is None else {"mip_max_nodes": int(max_nodes)}
         return "highs", pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1,
-                                   gapRel=_GAP_REL)
+                                   gapRel=_GAP_REL, gapAbs=0.0, **extra)
     if name == "cbc":
         with warnings.catch_warnings():  # PuLP 3.3 flags its bundled CBC for PuLP 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
             return "cbc", pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit_s, threads=1,
-                                           gapRel=_GAP_REL)
+                                           gapRel=_GAP_REL, gapAbs=0.0,
+                                           maxNodes=max_nodes)
     raise ValueError(f"unknown ILP backend {name!r}; choose auto, highs or cbc")
 
 
@@ -85,7 +90,8 @@ def rank_objective(chain: Chain, bounds: Sequence[tuple[int, int]], recompute: S
 def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[int],
               num_microbatches: int, limit_bytes: float | None = None,
               allow_recompute: bool = True, backend: str = "auto",
-              time_limit_s: float = 60.0) -> ILPSolution | None:
+              max_nodes: int | None = 100_000, time_limit_s: float | None = None
+              ) -> ILPSolution | None:
     """Split ``chain`` into stages minimizing the rank-level step time (PuLP).
 
     Unlike ``solve_dp``, which bounds the slowest stage, this sums each rank's
@@ -100,8 +106,11 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
         allow_recompute: Let a stage recompute its forward to fit the limit.
         backend: ``auto`` (HiGHS when highspy is installed, else CBC), ``highs`` or
             ``cbc``.
-        time_limit_s: Solver time limit; when hit, the best split found is returned
-            with status ``time_limit`` and its gap.
+        max_nodes: Branch-and-bound nodes the solver may explore: a bound on work,
+            so the answer does not depend on the machine or its load. When hit, the
+            best split found is returned with status ``limit`` and its gap.
+        time_limit_s: An optional wall-clock limit as well (``None``: none); a split
+            it cuts off depends on the machine's speed.
 
     Returns:
         The split with its recompute flags, objective, status and gap, or ``None``
@@ -115,7 +124,7 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
     num_stages = len(stage_ranks)
     if not 1 <= num_stages <= chain.num_blocks:
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{chain.num_blocks}")
-    name, solver = _backend(backend, time_limit_s)
+    name, solver = _backend(backend, time_limit_s, max_nodes)
     model = RunModel(chain, stage_ranks, in_flight, limit_bytes, allow_recompute)
     times = [model.stage_time(s) for s in range(num_stages)]
     min_comm = float(chain.comm_at[1:-1].min()) if chain.num_blocks > 1 else 0.0
@@ -123,7 +132,11 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
     for rank in sorted(set(stage_ranks)):
         model.prob += slowest >= pulp.lpSum(t for t, r in zip(times, stage_ranks) if r == rank)
     num_virtual = num_stages // len(set(stage_ranks))
-    model.prob += (num_microbatches - 1) * slowest + pulp.lpSum(times) * (1.0 / num_virtual)
+    # Ties between equally fast splits break toward earlier cuts, the same for every
+    # backend: a perturbation of at most _TIE_WEIGHT of the step on the cut positions.
+    tie = _TIE_WEIGHT * chain.total_time_ms / max(1, chain.num_blocks * num_stages)
+    model.prob += ((num_microbatches - 1) * slowest + pulp.lpSum(times) * (1.0 / num_virtual)
+                   + tie * pulp.lpSum(model.blocks_up_to(s) for s in range(num_stages - 1)))
     model.prob.solve(solver)
     if model.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         _LOG.info("ILP found no plan (status %s)", pulp.LpStatus[model.prob.status])
@@ -134,7 +147,7 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
     bounds = tuple(zip([0, *ends[:-1]], ends))
     flags = tuple(bool(round(pulp.value(r) or 0)) for r in model.rc or [0] * num_stages)
     objective = rank_objective(chain, bounds, flags, stage_ranks, num_microbatches)
-    return ILPSolution(bounds, flags, objective, "optimal" if optimal else "time_limit",
+    return ILPSolution(bounds, flags, objective, "optimal" if optimal else "limit",
                        name, gap)
 
 

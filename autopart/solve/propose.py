@@ -7,11 +7,10 @@ from autopart.errors import PlanError
 from autopart.schedules import recompute_allowed, schedule_info, stage_to_rank
 from autopart.schema import SolverInfo
 from autopart.simulate import max_in_flight
-from autopart.solve.baselines import BASELINES, baseline_split
+from autopart.solve.baselines import BASELINES
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
 from autopart.solve.records import Candidate, Config, Options
-from autopart.solve.refine import legal
 from autopart.solve.setting import Setting
 
 __all__ = ["propose", "propose_baselines", "propose_dp", "propose_ilp"]
@@ -28,7 +27,7 @@ def propose(setting: Setting, config: Config, options: Options) -> list[Candidat
     solvers so that ties credit the solvers).
     """
     if options.partition != "optimal":
-        bounds = baseline_split(options.partition, setting.profile.blocks, config.num_stages)
+        bounds = setting.baseline(options.partition, config.num_stages)
         return [Candidate(setting.evaluate(config, bounds),
                           SolverInfo(name=options.partition, status="heuristic"))]
     out = []
@@ -60,14 +59,13 @@ def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candi
     if dp is None:
         return []
     ev = setting.evaluate(config, setting.unfuse(dp.bounds), dp.recompute)
-    return [Candidate(ev, SolverInfo(name="dp", status="optimal", gap=0.0,
+    return [Candidate(ev, SolverInfo(name="dp", status="model_optimal", gap=0.0,
                                      objective_ms=dp.objective_ms))]
 
 
 def propose_ilp(setting: Setting, config: Config, options: Options) -> list[Candidate]:
     """The ILP's split (exact rank sums for v > 1). Under ``solver="auto"`` only a
-    proven optimum counts: an incumbent cut off by a time limit depends on machine
-    speed, and plans must be the same run to run."""
+    proven optimum counts: a split the node limit stopped at is not a second opinion."""
     style = schedule_info(config.schedule).style
     ranks = [stage_to_rank(s, config.pp_size, config.virtual_stages, style)
              for s in range(config.num_stages)]
@@ -78,22 +76,19 @@ def propose_ilp(setting: Setting, config: Config, options: Options) -> list[Cand
                         num_microbatches=config.num_microbatches,
                         limit_bytes=setting.setup.memory_limit_bytes,
                         allow_recompute=_recompute_allowed(config, options),
-                        backend=options.ilp_backend, time_limit_s=options.ilp_time_limit_s)
+                        backend=options.ilp_backend, max_nodes=options.ilp_max_nodes,
+                        time_limit_s=options.ilp_time_limit_s)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     if ilp is None or (options.solver != "ilp" and ilp.status != "optimal"):
         return []
     ev = setting.evaluate(config, setting.unfuse(ilp.bounds), ilp.recompute)
-    return [Candidate(ev, SolverInfo(name="ilp", status=ilp.status, gap=ilp.gap,
+    status = "model_optimal" if ilp.status == "optimal" else ilp.status
+    return [Candidate(ev, SolverInfo(name="ilp", status=status, gap=ilp.gap,
                                      backend=ilp.backend, objective_ms=ilp.objective_ms))]
 
 
 def propose_baselines(setting: Setting, config: Config) -> list[Candidate]:
-    """Every public baseline split whose cuts are allowed, as seeds."""
-    out = []
-    for name in BASELINES:
-        bounds = tuple(baseline_split(name, setting.profile.blocks, config.num_stages))
-        if legal(bounds, setting.allowed):
-            out.append(Candidate(setting.evaluate(config, bounds),
-                                 SolverInfo(name=name, status="baseline")))
-    return out
+    """Every public baseline split, at allowed cuts, as seeds."""
+    return [Candidate(setting.evaluate(config, setting.baseline(name, config.num_stages)),
+                      SolverInfo(name=name, status="baseline")) for name in BASELINES]

@@ -24,8 +24,12 @@ class Options:
     """Let a stage recompute its forward (activation checkpointing) to fit memory."""
     ilp_backend: str = "auto"
     """``auto`` (HiGHS when installed, else CBC), ``highs`` or ``cbc``."""
-    ilp_time_limit_s: float = 5.0
-    """Wall-clock limit of one ILP solve."""
+    ilp_max_nodes: int = 2_000
+    """Branch-and-bound nodes one ILP solve may explore (work, not time: plans do not
+    depend on the machine)."""
+    ilp_time_limit_s: float | None = None
+    """An optional wall-clock limit of one ILP solve (plans it cuts off depend on the
+    machine's speed)."""
     refine_evals: int = 300
     """Simulations the local search may spend per refined candidate (0: no local search)."""
 

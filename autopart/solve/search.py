@@ -12,6 +12,7 @@ baselines are simulated under the winner's schedule, v and m.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 from autopart.solve import _explain
 from autopart.solve.assemble import Evaluated, plan_from_split
-from autopart.solve.baselines import BASELINES, baseline_split
+from autopart.solve.baselines import BASELINES
 from autopart.solve.propose import propose
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.refine import refine
@@ -31,10 +32,10 @@ __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
 
 PARTITIONS = ("optimal", *BASELINES)
 SOLVERS = ("auto", "dp", "ilp")
-_ILP_TIME_LIMIT_S = 60.0
-_ILP_AUTO_TIME_LIMIT_S = 5.0
-"""Per-ILP time limits for ``solver="ilp"`` and ``solver="auto"`` (a limit hit is reported
-with its gap in ``Plan.solver``)."""
+_ILP_MAX_NODES = 100_000
+_ILP_AUTO_MAX_NODES = 2_000
+"""Per-ILP node limits for ``solver="ilp"`` and ``solver="auto"`` (a limit hit is reported
+with its gap in ``Plan.solver``; under ``auto`` such a split is dropped)."""
 _NUM_REFINED = 3
 """How many of the best (schedule, v, m) candidates the local search refines."""
 
@@ -44,7 +45,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
               virtual_stages: int | str = "auto", partition: str = "optimal",
               solver: str = "auto", memory_limit_bytes: int | None = None,
               allow_recompute: bool = True, ilp_backend: str = "auto",
-              ilp_time_limit_s: float | None = None, cut_kinds: Sequence[str] | None = None,
+              ilp_max_nodes: int | None = None, ilp_time_limit_s: float | None = None,
+              cut_kinds: Sequence[str] | None = None,
               refine_evals: int = 300, target: str | None = None,
               progress: Callable[[int, int, str], None] | None = None,
               **setup_fields: Any) -> Plan:
@@ -58,16 +60,20 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         global_batch_size: Samples per step and data-parallel replica; the profile's
             per-microbatch costs are rescaled linearly to ``global_batch_size / m``.
         schedule: A name, a list of names, or ``"auto"`` (every schedule torch has).
-        virtual_stages: Stages per rank, or ``"auto"``: v in (2, 4, 8) for the
-            multi-stage schedules, within what torch accepts.
+        virtual_stages: Stages per rank, or ``"auto"``: for the multi-stage schedules
+            every v from 2 with a block per stage that torch accepts, in ascending
+            order, until two v in a row do worse than the best so far.
         partition: ``optimal``, or a baseline (``even``, ``params``, ``torchtitan``).
         solver: For ``optimal``: ``dp``, ``ilp``, or ``auto`` (the DP, plus the ILP for
             small multi-stage problems).
         memory_limit_bytes: Per-device memory; ``None`` is unlimited.
         allow_recompute: Let stages recompute their forward to fit memory.
         ilp_backend: ``auto``, ``highs`` or ``cbc``.
-        ilp_time_limit_s: Per ILP; defaults to 60 s with ``solver="ilp"``, 5 s with
-            ``"auto"``.
+        ilp_max_nodes: Branch-and-bound nodes per ILP; defaults to 100,000 with
+            ``solver="ilp"``, 2,000 with ``"auto"``. A bound on work, so plans are
+            the same on every machine and under any load.
+        ilp_time_limit_s: An optional wall-clock limit per ILP as well (default none);
+            a split it cuts off depends on the machine.
         cut_kinds: Cut only after blocks of these kinds (NxD: ``("decoder_layer",)``).
         refine_evals: Simulations the local search may spend per refined candidate
             (0 turns it off).
@@ -92,12 +98,12 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
                                             num_microbatches)
     _check_args(profile, pp_size, partition, solver, virtual_stages)
-    if ilp_time_limit_s is None:
+    if ilp_max_nodes is None:
         # Under "auto" the ILP is a second opinion beside the DP: keep it short.
-        ilp_time_limit_s = _ILP_TIME_LIMIT_S if solver == "ilp" else _ILP_AUTO_TIME_LIMIT_S
+        ilp_max_nodes = _ILP_MAX_NODES if solver == "ilp" else _ILP_AUTO_MAX_NODES
     options = Options(partition=partition, solver=solver, allow_recompute=allow_recompute,
-                      ilp_backend=ilp_backend, ilp_time_limit_s=ilp_time_limit_s,
-                      refine_evals=refine_evals)
+                      ilp_backend=ilp_backend, ilp_max_nodes=ilp_max_nodes,
+                      ilp_time_limit_s=ilp_time_limit_s, refine_evals=refine_evals)
     settings = build_settings(profile, pp_size, num_microbatches, global_batch_size,
                               memory_limit_bytes, setup_fields, cut_kinds)
     num_units = min(setting.chain.num_blocks for setting in settings.values())
@@ -128,8 +134,12 @@ def _search(settings: dict[int, Setting], configs: list[Config], options: Option
     """The fastest fitting candidate over ``configs``, refined; raises when none fits."""
     found: list[Candidate] = []
     total = len(configs) + 1
+    trend = _VirtualTrend()
     for done, config in enumerate(configs, 1):
-        found += propose(settings[config.num_microbatches], config, options)
+        if not trend.stopped(config):
+            proposed = propose(settings[config.num_microbatches], config, options)
+            trend.record(config, [c for c in proposed if c.evaluated.fits])
+            found += proposed
         if progress is not None:
             progress(done, total, config.label)
     fitting = [c for c in found if c.evaluated.fits]
@@ -140,6 +150,34 @@ def _search(settings: dict[int, Setting], configs: list[Config], options: Option
     if progress is not None:
         progress(total, total, "local search")
     return min(fitting, key=lambda c: _rank_key(c.evaluated))
+
+
+class _VirtualTrend:
+    """Stops raising v for a (schedule, m) once two v in a row did worse than the best.
+
+    A larger v shortens the bubble and adds transfers and per-stage overhead; once the
+    best fitting candidate got slower twice in a row, larger v are not searched (the
+    orders of a large v cost the most to build).
+    """
+
+    _PATIENCE = 2
+
+    def __init__(self) -> None:
+        self.best: dict[tuple[str, int], float] = {}
+        self.worse: dict[tuple[str, int], int] = {}
+
+    def stopped(self, config: Config) -> bool:
+        """Has this (schedule, m) stopped raising v?"""
+        return self.worse.get((config.schedule, config.num_microbatches), 0) >= self._PATIENCE
+
+    def record(self, config: Config, fitting: list[Candidate]) -> None:
+        """Note the fastest fitting candidate of ``config`` (none: counts as worse)."""
+        key = (config.schedule, config.num_microbatches)
+        step = min((c.evaluated.result.step_ms for c in fitting), default=math.inf)
+        if step < self.best.get(key, math.inf):
+            self.best[key], self.worse[key] = step, 0
+        else:
+            self.worse[key] = self.worse.get(key, 0) + 1
 
 
 def _check_args(profile: Profile, pp_size: int, partition: str, solver: str,
@@ -167,14 +205,25 @@ def _check_args(profile: Profile, pp_size: int, partition: str, solver: str,
 
 def _refined(settings: dict[int, Setting], fitting: list[Candidate],
              max_evals: int) -> list[Candidate]:
-    """Local search from the best candidate of each of the best few configurations."""
-    best_per_config: dict[Config, Candidate] = {}
-    for cand in sorted(fitting, key=lambda c: _rank_key(c.evaluated)):
-        best_per_config.setdefault(Config.of(cand.evaluated), cand)
-    out = list(fitting)
-    for config, cand in list(best_per_config.items())[:_NUM_REFINED]:
+    """Local search from every distinct candidate of each of the best few configurations.
+
+    Every seed is refined on its own (a hill-climb's end depends on its start), so a
+    better seed can only add a better end point, never take one away.
+    """
+    ranked = sorted(fitting, key=lambda c: _rank_key(c.evaluated))
+    top: list[Config] = []
+    for cand in ranked:
+        config = Config.of(cand.evaluated)
+        if config not in top:
+            top.append(config)
+    top = top[:_NUM_REFINED]
+    out, seen = list(fitting), set()
+    for cand in ranked:
+        config, ev = Config.of(cand.evaluated), cand.evaluated
+        if config not in top or (config, ev.bounds, ev.recompute) in seen:
+            continue
+        seen.add((config, ev.bounds, ev.recompute))
         judge = ConfigJudge(settings[config.num_microbatches], config)
-        ev = cand.evaluated
         better = refine(judge, ev, judge.setting.allowed, max_evals=max_evals)
         if better is not ev:
             gain = ev.result.step_ms / better.result.step_ms - 1
@@ -190,10 +239,9 @@ def _rank_key(item: Evaluated) -> tuple:
 
 
 def _baselines(setting: Setting, best: Evaluated) -> dict[str, Evaluated]:
-    """Every public baseline under the winner's schedule, v and m."""
+    """Every public baseline under the winner's schedule, v and m, at allowed cuts."""
     config = Config.of(best)
-    return {name: setting.evaluate(config, baseline_split(name, setting.profile.blocks,
-                                                          config.num_stages))
+    return {name: setting.evaluate(config, setting.baseline(name, config.num_stages))
             for name in BASELINES}
 
 

@@ -12,17 +12,15 @@ import numpy as np
 from autopart.cost import BlockArrays, StageCost, block_arrays, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info
-from autopart.schema import Profile, TrainingSetup, setup_fields_with_precision
+from autopart.schema import BlockProfile, Profile, TrainingSetup, setup_fields_with_precision
 from autopart.simulate.engine import critical_counts, duration_table
 from autopart.solve.assemble import Evaluated, evaluate_split
+from autopart.solve.baselines import baseline_split
 from autopart.solve.chain import Chain, build_chain
 from autopart.solve.records import Config
 from autopart.solve.refine import allowed_cuts, fuse_blocks
 
-__all__ = ["AUTO_VIRTUAL", "ConfigJudge", "Setting", "build_settings", "search_configs"]
-
-AUTO_VIRTUAL = (2, 4, 8)
-"""The virtual-stage counts ``virtual_stages="auto"`` tries for multi-stage schedules."""
+__all__ = ["ConfigJudge", "Setting", "build_settings", "search_configs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +39,13 @@ class Setting:
     """Original block position of every fused block of ``chain`` (plus ``n``)."""
     allowed: tuple[bool, ...]
     """``allowed[j]``: a stage may end after block ``j - 1``."""
+    fused_blocks: tuple[BlockProfile, ...]
+    """The blocks of ``chain``: runs with no allowed cut inside merged into one."""
+
+    def baseline(self, name: str, num_stages: int) -> tuple[tuple[int, int], ...]:
+        """The public tool's split, made over the fused blocks so that its cuts are
+        allowed ones (NxD's even split with cuts after decoder layers only)."""
+        return self.unfuse(baseline_split(name, self.fused_blocks, num_stages))
 
     def unfuse(self, bounds: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
         """Fused-chain bounds -> bounds over the original blocks."""
@@ -135,7 +140,7 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
                             f"fewer than pp_size ({pp_size}); lower --pp")
         out[m] = Setting(scaled, setup, block_arrays(scaled, setup),
                          build_chain(block_arrays(fused, setup), setup), tuple(starts),
-                         tuple(allowed))
+                         tuple(allowed), fused.blocks)
     return out
 
 
@@ -166,7 +171,8 @@ def rescaled(profile: Profile, micro_batch_size: int) -> Profile:
 
 def search_configs(num_units: int, pp_size: int, schedule: str | Sequence[str],
                    virtual_stages: int | str, counts: Sequence[int]) -> list[Config]:
-    """Every (schedule, v, m) torch accepts; raises the first reason when none is left."""
+    """Every (schedule, v, m) torch accepts, v ascending per schedule and m; raises the
+    first reason when none is left."""
     if isinstance(schedule, str):
         names = list(SCHEDULES) if schedule == "auto" else [schedule_info(schedule).name]
     else:
@@ -178,8 +184,8 @@ def search_configs(num_units: int, pp_size: int, schedule: str | Sequence[str],
             options = [virtual_stages]
         elif info.fixed_virtual_stages is not None:
             options = [info.fixed_virtual_stages]
-        else:
-            options = list(AUTO_VIRTUAL)
+        else:  # every v with a block per stage (the search stops early, see make_plan)
+            options = list(range(2, max(2, num_units // pp_size) + 1))
         for num_virtual in options:
             if pp_size * num_virtual > num_units:
                 reasons.append(f"{name} with v={num_virtual} needs {pp_size * num_virtual} "
