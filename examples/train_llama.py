@@ -4,6 +4,9 @@ Synthetic, padded batches of a learnable pattern (each token is the previous one
 plus a fixed stride), AdamW, linear warmup then cosine decay, global grad-norm
 clipping across the pipeline, DCP checkpoints every ``--ckpt-every`` steps and
 exact resume with ``--resume``. The last pipeline rank prints the loss per step.
+A plan with ``tp_size`` or ``dp_size`` above 1 runs on pp x dp x tp ranks: each
+data-parallel replica trains on its slice of the batch, and tensor-parallel ranks
+split every decoder layer (``autopart plan --devices 4 --tp 2``).
 
 Run on CPU (gloo; nccl is used when CUDA is present):
 
@@ -13,6 +16,8 @@ Run on CPU (gloo; nccl is used when CUDA is present):
         --steps 20 --ckpt-dir /tmp/ckpt --ckpt-every 10
     torchrun --nproc_per_node=2 examples/train_llama.py --model tiny-llama --plan plan.json \
         --steps 30 --ckpt-dir /tmp/ckpt --resume /tmp/ckpt/step_20
+    torchrun --nproc_per_node=4 examples/train_llama.py --model tiny-llama \
+        --plan plan_pp2_tp2.json --steps 8
 """
 
 from __future__ import annotations
@@ -94,17 +99,25 @@ def main() -> None:
         start = load_checkpoint(pipe, optimizer, args.resume) or 0
     if args.save_plan and dist.get_rank() == 0:
         pipe.plan.save(args.save_plan)
-    if pipe.is_last:
+    groups = pipe.groups
+    reports = pipe.is_last and groups.dp_rank == 0 and groups.tp_rank == 0
+    if reports:
         print(pipe.debug_summary(), flush=True)
+    if args.batch_size % groups.dp_size:
+        raise SystemExit(f"--batch-size {args.batch_size} does not split over "
+                         f"{groups.dp_size} data-parallel replicas; use a multiple of it")
+    rows = slice(groups.dp_rank * args.batch_size // groups.dp_size,
+                 (groups.dp_rank + 1) * args.batch_size // groups.dp_size)
     for step in range(start + 1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        input_ids, mask, labels = make_batch(step, vocab_size, args.batch_size, args.seq_len)
+        batch = make_batch(step, vocab_size, args.batch_size, args.seq_len)
+        input_ids, mask, labels = (t[rows] for t in batch)  # this replica's rows
         optimizer.zero_grad()
         loss = pipe.step(input_ids, target=labels, attention_mask=mask)
         grad_norm = pipe.clip_grad_norm_(args.grad_clip)
         optimizer.step()
-        if pipe.is_last:
+        if reports:
             print(f"step {step:4d}  loss {loss.item():.4f}  grad_norm {grad_norm.item():.3f}  "
                   f"lr {lr_at(step, args):.2e}", flush=True)
         if args.ckpt_dir and args.ckpt_every and step % args.ckpt_every == 0:

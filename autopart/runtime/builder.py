@@ -55,6 +55,9 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     Every stage keeps its blocks under their original FQNs and runs the model's
     own forward (``autopart.runtime.stages``), so checkpoints, optimizers and
     ``state_dict`` keys are those of the unpipelined model.
+    A plan with ``tp_size`` above 1 splits each decoder layer over the tp ranks with
+    torch's ``parallelize_module`` as the HF ``base_model_tp_plan`` says
+    (``autopart.runtime.tensor_parallel``); ``dp_size`` replicas reduce gradients.
 
     Args:
         model_or_source: A model (best on the meta device: each rank materializes

@@ -49,6 +49,11 @@ class Groups:
         """The tensor-parallel process group (``None`` without TP)."""
         return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group (0 without TP)."""
+        return 0 if self.tp_mesh is None else self.tp_mesh.get_local_rank()
+
 
 def resolve_groups(pp_group: dist.ProcessGroup | None, device_mesh: DeviceMesh | None, *,
                    sizes: tuple[int, int, int] | None = None,
