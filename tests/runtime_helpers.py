@@ -22,13 +22,17 @@ PG_TIMEOUT_S = 90
 
 
 def make_stage_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: int,
-              num_microbatches: int, recompute: tuple[int, ...] = ()) -> Plan:
-    """A plan with contiguous stages of ``counts`` blocks each, ranks from ``stage_to_rank``."""
-    assert sum(counts) == len(chain.blocks), (counts, len(chain.blocks))
+              num_microbatches: int, recompute: tuple[int, ...] = (),
+              names: list[str] | None = None) -> Plan:
+    """A plan with contiguous stages of ``counts`` blocks each, ranks from ``stage_to_rank``.
+
+    ``names`` replaces the chain's block names (e.g. with the head's shard blocks)."""
+    names = names or chain.names
+    assert sum(counts) == len(names), (counts, len(names))
     assert len(counts) % pp_size == 0, (counts, pp_size)
     virtual = len(counts) // pp_size
     style = SCHEDULES[schedule].style
-    names, stages, start = chain.names, [], 0
+    stages, start = [], 0
     for idx, count in enumerate(counts):
         stages.append(StagePlan(
             index=idx, rank=stage_to_rank(idx, pp_size, virtual, style),

@@ -9,6 +9,7 @@ modules with original FQNs, and handed to the torch schedule named by the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,16 +21,23 @@ from torch import nn
 
 from autopart.errors import RuntimeSetupError
 from autopart.intake import BlockChain, discover_blocks, load_model
+from autopart.intake.head_split import collapse_shards
 from autopart.intake.sources import move_outside_blocks
-from autopart.runtime.groups import Groups, resolve_groups, tied_group
-from autopart.runtime.loss import TokenMeanLoss
+from autopart.runtime.groups import Groups, resolve_groups
+from autopart.runtime.loss import HeadShardLoss, TokenMeanLoss
 from autopart.runtime.materialize import materialize_blocks
 from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
 from autopart.runtime.tensor_parallel import apply_tensor_parallel, tp_plan_of
 from autopart.runtime.tree import prune
-from autopart.runtime.validate import check_model, check_plan, recompute_rule, thread_mismatch
+from autopart.runtime.validate import (
+    check_head_split,
+    check_model,
+    check_plan,
+    recompute_rule,
+    thread_mismatch,
+)
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import Plan, StagePlan
 
@@ -103,6 +111,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                                                  device_mesh, dev, plan_options)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
+    split_head = check_head_split(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
@@ -126,22 +135,25 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     ties = tied_parameters(root, chain)
     aliases = {later: first for first, later in ties}
 
-    module = _materialize(root, chain, mine, dev, dtype=dtype, param_init_fn=param_init_fn,
+    held = [dataclasses.replace(s, modules=tuple(collapse_shards(s.modules))) for s in mine]
+    module = _materialize(root, chain, held, dev, dtype=dtype, param_init_fn=param_init_fn,
                           checkpoint_path=checkpoint_path, init_seed=init_seed,
                           aliases=aliases, ties=ties)
     tp_grad_sum = apply_tensor_parallel(module, tp_plan, groups.tp_mesh) \
         if tp_plan is not None and groups.tp_mesh is not None else []
     stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
                                         autocast_dtype=autocast_dtype)
-    tied = _tie_across_ranks(module, plan_obj, chain, groups, ties)
-    token_loss = TokenMeanLoss() if hf and loss_fn is None else None
+    tied = _share_across_ranks(module, plan_obj, chain, groups, ties)
+    token_loss = (HeadShardLoss() if split_head else TokenMeanLoss()) \
+        if hf and loss_fn is None else None
     pipe_stages = wrap_stages(stage_modules, mine, len(plan_obj.stages), dev, groups.pp_group)
     schedule = build_schedule(plan_obj, pipe_stages, token_loss or loss_fn,
                               scale_grads=token_loss is None)
     pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
                                schedule=schedule, plan=plan_obj, groups=groups, device=dev,
                                token_loss=token_loss, tied=tied, aliases=aliases,
-                               pipe_stages=pipe_stages, tp_grad_sum=tp_grad_sum)
+                               pipe_stages=pipe_stages, tp_grad_sum=tp_grad_sum,
+                               head_split=split_head)
     if dist.get_rank() == 0:
         logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
     return pipelined
@@ -200,6 +212,7 @@ def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
     blocks = {b.name: b for b in chain.blocks}
     owned = [(index[name], fqn) for stage in mine for name in stage.modules
              for fqn in blocks[name].fqns]
+    owned = list(dict.fromkeys(owned))  # stages of one rank may share the split head
     fqns = [fqn for _, fqn in owned]
     module = prune(root, [*fqns, *chain.shared_modules])
     materialize_blocks(root, owned, device=device, **kwargs)
@@ -215,24 +228,41 @@ def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
     return module
 
 
-def _tie_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups: Groups,
-                      ties: list[tuple[str, str]]) -> TiedWeight | None:
-    """A weight shared by blocks on two ranks: a group of the two, same initial values."""
-    if not ties:
-        return None
+def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups: Groups,
+                        ties: list[tuple[str, str]]) -> list[TiedWeight]:
+    """Weights held on several ranks, each with a group of its holders, same initial values.
+
+    A tied embedding/head weight is held by the embedding's rank and the head's; a
+    head split by vocabulary is held whole by every rank with one of its shards.
+    """
     if len(ties) > 1:
         raise RuntimeSetupError(f"{len(ties)} parameters are shared between blocks (e.g. "
                                 f"{ties[1][1]}); autopart keeps one shared weight in sync "
                                 f"across ranks; untie the others")
-    ((first, later),) = ties
-    rank_of = {m: s.rank for s in plan.stages for m in s.modules}
-    first_rank = rank_of[_block_of(chain, first)]
-    last_rank = rank_of[_block_of(chain, later)]
-    if first_rank == last_rank or groups.pp_rank not in (first_rank, last_rank):
-        return None
-    group = tied_group(groups, first_rank, last_rank)
-    is_first = groups.pp_rank == first_rank
-    param = module.get_parameter(first if is_first else later)
-    with torch.no_grad():
-        dist.broadcast(param.data, src=groups.pp_global_ranks[first_rank], group=group)
-    return TiedWeight(param=param, group=group, counts_in_norm=is_first)
+    ranks_of: dict[str, set[int]] = {}
+    for stage in plan.stages:
+        for name in collapse_shards(stage.modules):
+            ranks_of.setdefault(name, set()).add(stage.rank)
+    holders: dict[str, set[int]] = {}  # parameter FQN -> ranks holding it
+    for first, later in ties:
+        ranks = ranks_of[_block_of(chain, first)] | ranks_of[_block_of(chain, later)]
+        holders[first if groups.pp_rank in ranks_of[_block_of(chain, first)] else later] = ranks
+    head = chain.blocks[-1].name
+    tied_fqns = {f for pair in ties for f in pair}
+    for name, _ in module.named_parameters():
+        if name.startswith(head + ".") and name not in tied_fqns:
+            holders[name] = ranks_of[head]
+    shared, made = [], {}
+    for fqn, ranks in sorted(holders.items()):
+        if len(ranks) < 2 or groups.pp_rank not in ranks:
+            continue
+        key = tuple(sorted(ranks))
+        if key not in made:
+            made[key] = dist.new_group([groups.pp_global_ranks[r] for r in key],
+                                       use_local_synchronization=True)
+        param = module.get_parameter(fqn)
+        with torch.no_grad():
+            dist.broadcast(param.data, src=groups.pp_global_ranks[key[0]], group=made[key])
+        shared.append(TiedWeight(param=param, group=made[key],
+                                 counts_in_norm=groups.pp_rank == key[0]))
+    return shared

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.tensor_parallel import local_tensor
 
-__all__ = ["Groups", "all_reduce_grads", "resolve_groups", "tied_group"]
+__all__ = ["Groups", "all_reduce_grads", "resolve_groups"]
 
 _MESH_DIMS = ("pp", "dp", "tp")
 
@@ -120,16 +120,6 @@ def _groups_of_mesh(mesh: DeviceMesh) -> Groups:
                   dp_size=1 if dp_group is None else dist.get_world_size(dp_group),
                   dp_rank=0 if dp_group is None else dist.get_rank(dp_group),
                   tp_mesh=tp_mesh, tp_size=1 if tp_mesh is None else tp_mesh.size())
-
-
-def tied_group(groups: Groups, first_rank: int, last_rank: int) -> dist.ProcessGroup:
-    """A group of the two pp ranks holding the tied embedding and the tied head.
-
-    Only those two ranks call this (local synchronization), so other pipelines and
-    middle ranks are not involved.
-    """
-    ranks = sorted({groups.pp_global_ranks[first_rank], groups.pp_global_ranks[last_rank]})
-    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup,

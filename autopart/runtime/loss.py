@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from autopart.intake.hf import IGNORE_INDEX, causal_lm_loss
+from autopart.runtime.head_shards import summed_loss
 
-__all__ = ["TokenMeanLoss", "count_target_tokens"]
+__all__ = ["HeadShardLoss", "TokenMeanLoss", "count_target_tokens"]
 
 
 def count_target_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -27,3 +28,15 @@ class TokenMeanLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(logits, labels, num_tokens=self.num_tokens)
+
+
+class HeadShardLoss(TokenMeanLoss):
+    """``TokenMeanLoss`` when the head is split: the last stage outputs per-position losses.
+
+    The last shard stage returns ``max + log(sumexp) - target`` per position
+    (``autopart.runtime.head_shards``); this sums the positions that count and
+    divides by the whole batch's token count, as ``TokenMeanLoss`` does.
+    """
+
+    def __call__(self, losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return summed_loss(losses, labels) / self.num_tokens

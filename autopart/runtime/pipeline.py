@@ -2,7 +2,8 @@
 
 ``step`` runs one forward and backward over all microbatches, then makes the
 gradients whole: per-head norm gradients are summed over the tensor-parallel
-group, the tied embedding's gradient between the first and last stage, and every
+group, a weight held on several pp ranks (the tied embedding, a head split
+by vocabulary) summed over them, and every
 gradient over the data-parallel group. Parameters and state dicts use the original
 model's FQNs, so optimizers, grad clipping and checkpoints work as for the
 unpipelined model; under tensor parallelism the split layers' parameters are
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.groups import Groups, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss, count_target_tokens
-from autopart.runtime.stages import input_kwarg
+from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import is_sharded, local_tensor
 from autopart.schema import Plan, StagePlan
 
@@ -31,12 +32,12 @@ __all__ = ["PipelinedModel", "TiedWeight"]
 
 @dataclass(slots=True)
 class TiedWeight:
-    """The tied embedding/head weight as held on this rank (only when split over two ranks)."""
+    """A weight held on several ranks (tied embedding/head, split head), as held on this one."""
 
     param: nn.Parameter
     group: dist.ProcessGroup
     counts_in_norm: bool
-    """True on the rank holding the embedding: the weight is counted once in grad norms."""
+    """True on the lowest holding rank: the weight is counted once in grad norms."""
 
 
 class PipelinedModel:
@@ -45,9 +46,10 @@ class PipelinedModel:
     def __init__(self, *, module: nn.Module, stage_modules: list[nn.Module],
                  stage_plans: list[StagePlan], schedule: Any, plan: Plan, groups: Groups,
                  device: torch.device, token_loss: TokenMeanLoss | None,
-                 tied: TiedWeight | None, aliases: dict[str, str],
+                 tied: list[TiedWeight], aliases: dict[str, str],
                  pipe_stages: list[Any] | None = None,
-                 tp_grad_sum: list[nn.Parameter] | None = None) -> None:
+                 tp_grad_sum: list[nn.Parameter] | None = None,
+                 head_split: bool = False) -> None:
         self.module = module
         """This rank's blocks under their original FQNs (a pruned model tree)."""
         self.config = getattr(module, "config", None)
@@ -65,6 +67,7 @@ class PipelinedModel:
         self.is_last = any(s.index == len(plan.stages) - 1 for s in stage_plans)
         self._token_loss = token_loss
         self._tied = tied
+        self._head_split = head_split
         self._aliases = aliases
         self._tp_grad_sum = list(tp_grad_sum or [])
 
@@ -83,15 +86,18 @@ class PipelinedModel:
         of the microbatch losses) on ranks holding the last stage, ``None`` elsewhere.
         ``losses`` receives the per-microbatch losses on the last stage.
         """
-        if self.is_last and target is None:
-            raise RuntimeSetupError("step() needs target= on the ranks holding the last stage; "
-                                    "pass the labels on every rank")
+        if (self.is_last or self._head_split) and target is None:
+            raise RuntimeSetupError("step() needs target= on the ranks holding the last stage "
+                                    "(every rank when the head is split); pass the labels on "
+                                    "every rank")
         if self._token_loss is not None and self.is_last:
             self._token_loss.num_tokens = self._count_tokens(target)
         args = tuple(self._to_device(t) for t in inputs) if self.is_first else ()
         kw = {k: self._to_device(v) for k, v in kwargs.items() if v is not None}
         # stages after the first run the model's own forward too: they get its inputs
         kw.update({input_kwarg(i): self._to_device(t) for i, t in enumerate(inputs)})
+        if self._head_split:  # every shard stage picks the target logits of its rows
+            kw[LABELS_KWARG] = self._to_device(target)
         mb_losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=self._to_device(target) if self.is_last else None,
                            losses=mb_losses, return_outputs=False, **kw)
@@ -150,16 +156,15 @@ class PipelinedModel:
                 p.grad = torch.zeros_like(p)
         if self._tp_grad_sum and self.groups.tp_group is not None:
             all_reduce_grads(self._tp_grad_sum, self.groups.tp_group)
-        if self._tied is not None:
-            dist.all_reduce(self._tied.param.grad, group=self._tied.group)
+        for shared in self._tied:
+            dist.all_reduce(shared.param.grad, group=shared.group)
         if self.groups.dp_group is not None:
             divide = 1 if self._token_loss is not None else self.groups.dp_size
             all_reduce_grads(params, self.groups.dp_group, divide_by=divide)
 
     def _norm_params(self) -> list[nn.Parameter]:
-        if self._tied is None or self._tied.counts_in_norm:
-            return list(self.parameters())
-        return [p for p in self.parameters() if p is not self._tied.param]
+        skip = {id(t.param) for t in self._tied if not t.counts_in_norm}
+        return [p for p in self.parameters() if id(p) not in skip]
 
     def _to_device(self, value: Any) -> Any:
         return value.to(self.device) if isinstance(value, torch.Tensor) else value
@@ -228,6 +233,7 @@ class PipelinedModel:
             recompute = getattr(module, "_recompute", False)
             lines.append(f"  stage {plan.index}: {len(plan.modules)} block(s) {blocks}, "
                          f"{counts[plan.index]:,} params, recompute={recompute}")
-        if self._tied is not None:
-            lines.append("  tied embedding: gradient summed with the other end of the pipeline")
+        for shared in self._tied:
+            lines.append(f"  {tuple(shared.param.shape)} weight held on several ranks: "
+                         f"gradient summed over them")
         return "\n".join(lines)

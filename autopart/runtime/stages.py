@@ -14,6 +14,12 @@ FQNs and runs the **model's own forward** for every microbatch, with
   are what the stage sends on. The last stage returns the model's output (HF:
   the logits).
 
+A stage holding vocabulary shards of the head (``lm_head.shard1of4``, see
+``autopart.intake.head_split``) computes its rows' logits at the head call and
+sends the head's input on with the running (max, sum-exp, target) values
+(``autopart.runtime.head_shards``); a stage that starts inside the head skips the
+model's forward; the last shard stage returns per-position losses.
+
 So masks, rotary embeddings, embedding scaling and any other code between blocks
 run exactly as in the unpipelined model, for every family, with no names of one.
 Each becomes a ``torch.distributed.pipelining.PipelineStage``; the schedule class
@@ -43,12 +49,17 @@ from autopart.intake.forward import (
     leaf_paths,
     model_output_tensor,
 )
+from autopart.intake.head_split import collapse_shards, parse_shard, vocab_range
+from autopart.runtime.head_shards import HeadCarry, shard_carry, token_losses
 from autopart.runtime.tree import Tree, prune
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["ForwardStage", "build_schedule", "build_stage_modules", "input_kwarg",
-           "wrap_stages"]
+__all__ = ["LABELS_KWARG", "ForwardStage", "build_schedule", "build_stage_modules",
+           "input_kwarg", "wrap_stages"]
+
+LABELS_KWARG = "autopart_labels"
+"""Keyword under which every stage receives the labels when the head is split."""
 
 
 def input_kwarg(idx: int) -> str:
@@ -64,7 +75,8 @@ class ForwardStage(Tree):
                  autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         index = {b.name: i for i, b in enumerate(chain.blocks)}
-        blocks = [chain.blocks[index[n]] for n in block_names]
+        blocks = [chain.blocks[index[n]] for n in collapse_shards(block_names)]
+        shards = [p for p in map(parse_shard, block_names) if p is not None]
         prune(root, [f for b in blocks for f in b.fqns], into=self)
         object.__setattr__(self, "_root", root)  # the skeleton: not a submodule of the stage
         self.config = getattr(root, "config", None)
@@ -75,6 +87,15 @@ class ForwardStage(Tree):
         self.is_last = self._end_call == len(self._calls)
         self._in_slots = chain.call(self._first_call).stream
         self._out_slots = None if self.is_last else chain.call(self._end_call).stream
+        self._shards = None  # (head module, first row, end row, starts inside the head)
+        if shards:
+            head = root.get_submodule(shards[0][0])
+            num = shards[0][2]
+            rows = (vocab_range(shards[0][1], num, head.weight.shape[0])[0],
+                    vocab_range(shards[-1][1], num, head.weight.shape[0])[1])
+            self._shards = (head, *rows, parse_shard(block_names[0]) is not None
+                            and shards[0][1] > 0)
+            self.is_last = shards[-1][1] == num - 1
         self._const_kwargs = {"use_cache": False} if chain.family == "hf_causal_lm" else {}
         self._reuse = bool(chain.trace is not None and chain.trace.stream_reused)
         self._stand_ins: dict[int, StandIn] = {}
@@ -89,9 +110,16 @@ class ForwardStage(Tree):
         inputs = []
         while input_kwarg(len(inputs)) in kwargs:
             inputs.append(kwargs.pop(input_kwarg(len(inputs))))
+        labels = kwargs.pop(LABELS_KWARG, None)
         model_args = args if self.is_first else tuple(inputs)
         received = None if self.is_first else args
         device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
+        autocast = (torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
+                    if self._autocast_dtype is not None and device is not None
+                    else contextlib.nullcontext())
+        if self._shards is not None and self._shards[3]:  # the stage starts inside the head
+            with autocast:
+                return self._head_step(args[0], labels, tuple(args[1:4]))
         recompute = bool(self._checkpointed) and self.training and torch.is_grad_enabled()
         swaps = Substitute()
 
@@ -105,15 +133,14 @@ class ForwardStage(Tree):
                     if slot >= 0:
                         swaps.add(leaves[pos], received[slot])
             a, kw = swaps.swap(a, kw)
+            if self._shards is not None and module is self._shards[0]:
+                raise StageExit(self._head_step(leaf_paths(a, kw)[0], labels, None))
             if idx == self._end_call:
                 raise StageExit(self._stream_of(a, kw))
             if recompute and idx in self._checkpointed:
                 return checkpoint(original, *a, use_reentrant=False, **kw)
             return original(*a, **kw)
 
-        autocast = (torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
-                    if self._autocast_dtype is not None and device is not None
-                    else contextlib.nullcontext())
         glue = swaps if self._reuse and received is not None else contextlib.nullcontext()
         try:
             with autocast, intercept(self._root, self._calls, handler), glue:
@@ -121,6 +148,17 @@ class ForwardStage(Tree):
         except StageExit as stop:
             return stop.value
         return model_output_tensor(output)
+
+    def _head_step(self, hidden: torch.Tensor, labels: torch.Tensor | None,
+                   carry: HeadCarry | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """This stage's vocabulary rows folded into the carry; per-position losses at the end."""
+        assert labels is not None, "a head-split stage needs the labels (PipelinedModel.step)"
+        head, lo, hi, _ = self._shards
+        carry = shard_carry(hidden, head.weight, head.bias, (lo, hi), labels, carry)
+        if self.is_last:
+            return token_losses(carry)
+        # the next shard stage needs the hidden state too: a copy, never the received tensor
+        return (hidden.clone(), *carry)
 
     def _stream_of(self, args: tuple, kwargs: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
         leaves = leaf_paths(args, kwargs)

@@ -10,13 +10,21 @@ import logging
 from collections.abc import Callable
 
 import torch.distributed as dist
+from torch import nn
 
 from autopart.errors import PlanError, RuntimeSetupError
 from autopart.intake import BlockChain
+from autopart.intake.head_split import (
+    collapse_shards,
+    head_split_refusal,
+    parse_shard,
+    shard_names,
+)
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
 
-__all__ = ["check_model", "check_plan", "recompute_rule", "thread_mismatch"]
+__all__ = ["check_head_split", "check_model", "check_plan", "recompute_rule",
+           "thread_mismatch"]
 
 
 def thread_mismatch(profile_threads: int, rank_threads: int, *, pp_size: int,
@@ -106,7 +114,8 @@ def _warn_plan_mismatch(plan: Plan, dp_size: int) -> None:
 
 def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
     names = chain.names
-    planned = [m for stage in sorted(plan.stages, key=lambda s: s.index) for m in stage.modules]
+    planned = collapse_shards([m for stage in sorted(plan.stages, key=lambda s: s.index)
+                               for m in stage.modules])
     if planned == names:
         if any(not stage.modules for stage in plan.stages):
             raise RuntimeSetupError(f"{where} has an empty stage; regenerate the plan")
@@ -121,6 +130,40 @@ def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
         detail = "does not list the blocks once each, in model order"
     raise RuntimeSetupError(f"{where} {detail} (model blocks: {names[0]} .. {names[-1]}, "
                             f"{len(names)} in all); make the plan from this model's profile")
+
+
+def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
+                     has_loss_fn: bool, where: str = "the plan") -> bool:
+    """True when ``plan`` splits the head into vocabulary shards this model can run.
+
+    Raises:
+        RuntimeSetupError: the shards are not ``<head>.shard0ofK`` .. ``shard{K-1}ofK`` in
+            order, the split block is not the model's head, the head cannot be split
+            (``head_split_refusal``), or a custom ``loss_fn`` is given.
+    """
+    planned = [m for stage in sorted(plan.stages, key=lambda s: s.index) for m in stage.modules]
+    shards = [(m, parse_shard(m)) for m in planned if parse_shard(m) is not None]
+    if not shards:
+        return False
+    head, _, num = shards[0][1]
+    last = chain.blocks[-1]
+    if head != last.name or last.kind != "head" or chain.family != "hf_causal_lm":
+        raise RuntimeSetupError(f"{where} splits {head} by vocabulary, but only the head of "
+                                f"an HF causal LM ({last.name} here is a {last.kind}) can be "
+                                f"split; plan with --granularity layer")
+    if [m for m, _ in shards] != shard_names(head, num):
+        raise RuntimeSetupError(f"{where} lists head shards {[m for m, _ in shards][:4]}; "
+                                f"expected {head}.shard0of{num} .. shard{num - 1}of{num} once "
+                                f"each, in order; regenerate the plan")
+    why = head_split_refusal(root, head)
+    if why is not None:
+        raise RuntimeSetupError(f"{where} splits the head, but {why}; plan with "
+                                f"--granularity layer")
+    if has_loss_fn:
+        raise RuntimeSetupError(f"{where} splits the head, so the pipeline computes the "
+                                f"token-mean loss itself; drop loss_fn or plan with "
+                                f"--granularity layer")
+    return True
 
 
 def recompute_rule(mode: bool | str | None) -> Callable:
