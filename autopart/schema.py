@@ -137,6 +137,10 @@ class ModelInfo:
     """Class names of the repeated layers (NxD's ``transformer_layer_cls``)."""
     shared_modules: tuple[str, ...] = ()
     """Parameter-free modules every stage needs (e.g. ``model.rotary_emb``)."""
+    head_split_rows: int = 0
+    """Rows of the head's weight when the head can be split by vocabulary (an HF causal
+    LM whose ``nn.Linear`` head's output is returned unchanged), else 0; planning at
+    ``auto`` granularity splits it into shard blocks (``autopart.intake.head_split``)."""
     notes: tuple[str, ...] = ()
     """One line each on how the model is served: eager attention where transformers
     has no SDPA for the family, blocks fused because no exact cut separates their
@@ -471,6 +475,9 @@ class Plan(JsonFile):
     """How the split was found; ``None`` for plans written by hand."""
     notes: tuple[str, ...] = ()
     """Human-readable reasons (e.g. why rank 0 holds fewer blocks)."""
+    granularity: str = "layer"
+    """``layer``: whole blocks; ``sublayer``: finer blocks (the head's vocabulary shards
+    ``lm_head.shard<i>of<k>``, see ``autopart.intake.head_split``)."""
     micro_batch_size: int = 0
     """Samples per microbatch the plan was made for (the profile's, or rescaled)."""
     seq_len: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from autopart.errors import AutopartError
+from autopart.intake.head_split import parse_shard
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
@@ -31,7 +32,9 @@ def gib(num_bytes: float) -> str:
 
 
 def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
-    """``[a.layers.0, a.layers.1, a.layers.2, b]`` -> ``a.layers.0-2, b``."""
+    """``[a.layers.0, a.layers.1, a.layers.2, b]`` -> ``a.layers.0-2, b``; head shards
+    ``lm_head.shard0of4 .. lm_head.shard2of4`` -> ``lm_head.shard0-2of4``."""
+    modules = _summarize_shards(modules)
     out: list[str] = []
     run_prefix, run_start, run_end = None, None, None
 
@@ -54,3 +57,19 @@ def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
             out.append(name)
     flush()
     return ", ".join(out)
+
+
+def _summarize_shards(modules: list[str] | tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    runs: list[tuple] = []  # (head, first, last, num) per output slot, () for others
+    for name in modules:
+        parsed = parse_shard(name)
+        if parsed and runs and runs[-1] and runs[-1][0] == parsed[0] \
+                and runs[-1][2] + 1 == parsed[1]:
+            head, first, _, num = runs[-1]
+            runs[-1] = (head, first, parsed[1], num)
+            out[-1] = f"{head}.shard{first}-{parsed[1]}of{num}"
+            continue
+        runs.append((parsed[0], parsed[1], parsed[1], parsed[2]) if parsed else ())
+        out.append(name)
+    return out

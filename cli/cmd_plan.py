@@ -24,6 +24,7 @@ from autopart.schema import PRECISIONS, Plan, Profile, default_precision
 from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
 from autopart.solve.mesh import plan_mesh
+from autopart.solve.shards import GRANULARITY_CHOICES
 
 from ._format import gib, parse_bytes, summarize_modules
 from ._mesh import mesh_kwargs, print_mesh_table
@@ -73,6 +74,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link-latency-ms", type=float, default=None)
     p.add_argument("--no-recompute", action="store_true",
                    help="never use activation recomputation to fit memory")
+    p.add_argument("--granularity", default="auto", choices=GRANULARITY_CHOICES,
+                   help="auto: the finest blocks the runtime runs, the head split into "
+                        "vocabulary shards (lm_head.shard<i>of<k>); layer: whole blocks "
+                        "(exports such as nxd and megatron always plan at layer)")
+    p.add_argument("--cuts", default=None, metavar="FQN,...",
+                   help="evaluate this split instead of searching: the last block of every "
+                        "stage but the final one, pp * v - 1 names in model order")
     p.add_argument("--format", default="table", choices=["table", "json", *FORMATS])
     p.add_argument("--module-names", default="native", choices=MODULE_NAMES,
                    help="--format torchtitan: native = torchtitan's own Transformer "
@@ -146,7 +154,12 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
               "global_batch_size": args.global_batch_size, "schedule": args.schedule,
               "target": args.format if args.format in FORMATS else None,
               "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
-              "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute, **setup}
+              "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute,
+              "granularity": args.granularity, **setup}
+    if args.cuts is not None:
+        if args.devices is not None:
+            raise PlanError("--cuts fixes one pipeline's split: give it with --pp, not --devices")
+        common["cuts"] = _parse_cuts(args.cuts)
     if args.devices is not None:
         if args.link_bandwidth is not None or args.link_latency_ms is not None:
             raise PlanError("--link-bandwidth and --link-latency-ms apply to --pp alone; with "
@@ -156,6 +169,14 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
             common.pop(key, None)  # the mesh picks intra- or inter-node links itself
         return {**common, **mesh_kwargs(args, device, profile)}
     return {"pp_size": int(args.pp), **common}
+
+
+def _parse_cuts(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not text.strip() or any(not name for name in names):
+        raise PlanError(f"--cuts {text!r} has an empty name; give block names separated by "
+                        f"commas, e.g. --cuts model.layers.7,lm_head.shard0of4")
+    return names
 
 
 def _print_table(plan: Plan, console: Console) -> None:

@@ -26,6 +26,7 @@ from autopart.errors import AutopartError, ProfileError
 from autopart.intake import BlockChain, LoadedModel, discover_blocks, load_model
 from autopart.intake.blocks import Block
 from autopart.intake.forward import leaf_paths
+from autopart.intake.head_split import head_split_refusal
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
@@ -322,7 +323,17 @@ def _model_info(loaded: LoadedModel, chain: BlockChain,
         hidden_size=int(getattr(config, "hidden_size", 0) or 0) if hf else 0,
         num_layers=num_layers, layer_classes=chain.layer_class_names,
         shared_modules=chain.shared_modules,
+        head_split_rows=_head_split_rows(loaded.model, chain),
         notes=tuple(model_notes(loaded.model, chain, blocks)))
+
+
+def _head_split_rows(model: nn.Module, chain: BlockChain) -> int:
+    """Rows of the head's weight if the runtime can split the head by vocabulary, else 0."""
+    head = chain.blocks[-1]
+    if (chain.family != "hf_causal_lm" or head.kind != "head" or head.modules
+            or head_split_refusal(model, head.name) is not None):
+        return 0
+    return int(model.get_submodule(head.name).weight.shape[0])
 
 
 def _transformers_version() -> str:

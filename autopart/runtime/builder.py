@@ -107,6 +107,8 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     check_model(chain, has_loss_fn=loss_fn is not None)
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
+    if loss_fn is not None:  # a split head computes its own loss: keep it whole
+        plan_options = {"granularity": "layer", **(plan_options or {})}
     groups, plan_obj, tp_plan = _groups_and_plan(plan, model_or_source, root, chain, pp_group,
                                                  device_mesh, dev, plan_options)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,

@@ -146,6 +146,10 @@ def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
     if not shards:
         return False
     head, _, num = shards[0][1]
+    if plan.tp_size > 1:
+        raise RuntimeSetupError(f"{where} splits {head} by vocabulary and shards it over tp "
+                                f"{plan.tp_size}; plan tensor parallelism with --granularity "
+                                f"layer")
     last = chain.blocks[-1]
     if head != last.name or last.kind != "head" or chain.family != "hf_causal_lm":
         raise RuntimeSetupError(f"{where} splits {head} by vocabulary, but only the head of "

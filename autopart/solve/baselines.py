@@ -11,7 +11,8 @@
 Uneven divisions give the extra unit to the first stages (``numpy.array_split``).
 These tools cut between whole layers: on a ``sublayer`` profile each layer's two
 halves are fused first (``autopart.granularity``), so a baseline never cuts inside
-a layer.
+a layer, and a head split into vocabulary shards (``autopart.solve.shards``) counts
+as one block.
 When there are fewer units than stages every block becomes a unit. A split is a
 list of ``(first, stop)`` half-open block ranges, one per stage.
 """
@@ -19,8 +20,10 @@ list of ``(first, stop)`` half-open block ranges, one per stage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from autopart.granularity import fuse_halves, layer_groups
+from autopart.intake.head_split import parse_shard
 from autopart.schema import BlockProfile
 
 __all__ = ["BASELINES", "baseline_split", "even_split", "params_split", "torchtitan_split"]
@@ -140,6 +143,12 @@ def baseline_split(name: str, blocks: Sequence[BlockProfile], num_stages: int
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
     if not 1 <= num_stages <= len(blocks):
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{len(blocks)}")
+    first = next((i for i, b in enumerate(blocks) if parse_shard(b.name)), None)
+    if first is not None and num_stages <= first + 1:
+        # these tools keep the head whole: its vocabulary shards count as one block
+        whole = replace(blocks[first], num_params=sum(b.num_params for b in blocks[first:]))
+        return [(i, len(blocks) if j > first else j)
+                for i, j in baseline_split(name, [*blocks[:first], whole], num_stages)]
     groups = layer_groups(blocks)
     if len(groups) == len(blocks) or len(groups) < num_stages:
         return BASELINES[name](blocks, num_stages)

@@ -203,7 +203,9 @@ def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[
     elif global_batch_size is not None:
         kwargs["global_batch_size"] = global_batch_size // dp
     try:
-        plan = make_plan(sharded, pp_size=pp, **kwargs)
+        # a tensor-parallel head is sharded by vocabulary already: no head split on top
+        plan = make_plan(sharded, pp_size=pp, **(kwargs if tp == 1 else
+                                                 {**kwargs, "granularity": "layer"}))
     except InfeasibleError as exc:
         return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
                              needed_bytes=exc.needed_bytes)

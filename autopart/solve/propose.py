@@ -22,10 +22,13 @@ ILP_AUTO_MAX_CELLS = 2048
 def propose(setting: Setting, config: Config, options: Options) -> list[Candidate]:
     """Every candidate ``options`` asks for under ``config``.
 
-    A baseline ``partition`` gives that split alone. ``optimal`` gives the solvers'
-    splits, then the baselines as seeds for the local search (listed after the
-    solvers so that ties credit the solvers).
+    A baseline ``partition`` gives that split alone, as do user ``cuts``. ``optimal``
+    gives the solvers' splits, then the baselines as seeds for the local search
+    (listed after the solvers so that ties credit the solvers).
     """
+    if options.cuts is not None:
+        return [Candidate(setting.evaluate(config, options.cuts),
+                          SolverInfo(name="cuts", status="given"))]
     if options.partition != "optimal":
         bounds = setting.baseline(options.partition, config.num_stages)
         return [Candidate(setting.evaluate(config, bounds),

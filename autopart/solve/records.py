@@ -16,8 +16,8 @@ class Options:
     """How ``make_plan`` searches, fixed for a whole search (checked by ``make_plan``)."""
 
     partition: str = "optimal"
-    """``optimal`` (the solvers, then the local search) or a baseline name (``even``,
-    ``params``, ``torchtitan``): that split only."""
+    """``optimal`` (the solvers, then the local search), a baseline name (``even``,
+    ``params``, ``torchtitan``): that split only, or ``cuts``: the split in ``cuts``."""
     solver: str = "auto"
     """``dp``, ``ilp`` or ``auto`` (the DP, plus the ILP for small multi-stage problems)."""
     allow_recompute: bool = True
@@ -32,6 +32,8 @@ class Options:
     machine's speed)."""
     refine_evals: int = 300
     """Simulations the local search may spend per refined candidate (0: no local search)."""
+    cuts: tuple[tuple[int, int], ...] | None = None
+    """A split the user gave (``partition="cuts"``): evaluated as is under every config."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopart.errors import PlanError
+from autopart.intake.head_split import parse_shard
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 from autopart.solve import _explain
@@ -24,8 +25,9 @@ from autopart.solve.assemble import Evaluated, plan_from_split
 from autopart.solve.baselines import BASELINES
 from autopart.solve.propose import propose
 from autopart.solve.records import Candidate, Config, Options
-from autopart.solve.refine import refine
+from autopart.solve.refine import legal, refine
 from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_configs
+from autopart.solve.shards import apply_granularity, cut_bounds
 from autopart.targets import planning_constraints
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
@@ -48,6 +50,7 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
               ilp_max_nodes: int | None = None, ilp_time_limit_s: float | None = None,
               cut_kinds: Sequence[str] | None = None,
               refine_evals: int = 300, target: str | None = None,
+              granularity: str = "auto", cuts: Sequence[str] | None = None,
               progress: Callable[[int, int, str], None] | None = None,
               **setup_fields: Any) -> Plan:
     """Plan the pipeline of ``profile`` on ``pp_size`` ranks.
@@ -80,6 +83,11 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         target: An export format (``nxd``, ``megatron``, ...): plan within that tool's
             rules (``autopart.targets``), its cut kinds unless ``cut_kinds`` is given,
             and its schedules.
+        granularity: ``auto`` / ``sublayer``: the finest blocks the runtime runs, the
+            head split into vocabulary shards where it can be (``autopart.solve.shards``);
+            ``layer``: whole blocks. Export targets plan at ``layer``.
+        cuts: Evaluate this split instead of searching: the last block of every stage
+            but the final one (``pp_size * v - 1`` names, in model order).
         progress: ``progress(done, total, what)`` is called after each (schedule, v,
             m) is searched and once more after the local search.
         **setup_fields: Fields of ``TrainingSetup`` (optimizer, dtypes, link figures);
@@ -91,21 +99,31 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         simulated beside it and notes on why it looks the way it does.
 
     Raises:
-        PlanError: A bad setting (pp, partition, solver, v, setup field, target).
+        PlanError: A bad setting (pp, partition, solver, v, setup field, target,
+            granularity, cuts).
         InfeasibleError: Nothing fits; the message names the memory that would fit.
     """
     if target is not None:
         schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
                                             num_microbatches)
+    profile, granularity_notes = apply_granularity(profile, granularity, target)
     _check_args(profile, pp_size, partition, solver, virtual_stages)
+    given = None
+    if cuts is not None:
+        given, virtual_stages = cut_bounds(profile, cuts, pp_size, virtual_stages)
+        partition = "cuts"
     if ilp_max_nodes is None:
         # Under "auto" the ILP is a second opinion beside the DP: keep it short.
         ilp_max_nodes = _ILP_MAX_NODES if solver == "ilp" else _ILP_AUTO_MAX_NODES
     options = Options(partition=partition, solver=solver, allow_recompute=allow_recompute,
                       ilp_backend=ilp_backend, ilp_max_nodes=ilp_max_nodes,
-                      ilp_time_limit_s=ilp_time_limit_s, refine_evals=refine_evals)
+                      ilp_time_limit_s=ilp_time_limit_s, refine_evals=refine_evals,
+                      cuts=given)
     settings = build_settings(profile, pp_size, num_microbatches, global_batch_size,
                               memory_limit_bytes, setup_fields, cut_kinds)
+    if given is not None and not legal(given, next(iter(settings.values())).allowed):
+        raise PlanError(f"--cuts cuts inside a unit {target or 'the cut kinds'} keeps whole "
+                        f"(allowed after {'/'.join(cut_kinds or ())} blocks only); move the cuts")
     num_units = min(setting.chain.num_blocks for setting in settings.values())
     configs = search_configs(num_units, pp_size, schedule, virtual_stages, sorted(settings))
     best = _search(settings, configs, options, progress)
@@ -113,11 +131,13 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     baselines = _baselines(setting, best.evaluated)
     notes = _explain.notes(setting.profile, best.evaluated, baselines, memory_limit_bytes,
                            default_m=num_microbatches is None and global_batch_size is None,
-                           rescaled=setting.profile is not profile)
+                           rescaled=setting.profile is not profile) + granularity_notes
     # The setting's profile: the same blocks, its micro-batch size rescaled when m varied.
-    return plan_from_split(setting.profile, setting.setup, best.evaluated, partition=partition,
+    plan = plan_from_split(setting.profile, setting.setup, best.evaluated, partition=partition,
                            solver=dataclasses.asdict(best.solver),
                            baselines=_baseline_json(best.evaluated, baselines), notes=notes)
+    finer = any(parse_shard(b.name) for b in profile.blocks)
+    return dataclasses.replace(plan, granularity="sublayer" if finer else "layer")
 
 
 def _target_rules(target: str, schedule: str | Sequence[str],

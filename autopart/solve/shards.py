@@ -1,0 +1,141 @@
+"""Plan granularity: the head's vocabulary shards as blocks, and user-given cuts.
+
+At ``auto`` (or ``sublayer``) granularity a profile whose head can be split
+(``ModelInfo.head_split_rows``) gets its head block replaced by ``k`` shard blocks
+``<head>.shard<i>ofK`` (``autopart.intake.head_split``); the solvers see them as
+ordinary blocks. Their costs are **derived**, not measured: the head's F, B, W,
+activation and workspace times the shard's vocabulary fraction (the head is its
+vocabulary matmul and the loss over the logits, both linear in the rows), plus the
+carry a shard sends on (the hidden state and three float32 values per position).
+Parameters: every stage holding a shard holds the whole head weight (the runtime
+indexes its rows), so each shard block counts the whole weight's bytes, an upper
+bound when one stage holds several shards. ``k`` makes a shard about half the
+smallest decoder layer (or half-layer): ``ceil(2 * head / unit)``, within 2..32.
+
+``layer`` keeps the head whole; export targets, which cannot express a cut inside
+the head, plan at ``layer`` with a note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from autopart.errors import PlanError
+from autopart.intake.head_split import parse_shard, shard_names, vocab_range
+from autopart.schema import Profile
+
+__all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "split_head"]
+
+GRANULARITY_CHOICES = ("auto", "layer", "sublayer")
+_MAX_SHARDS = 32
+_CARRY_VALUES = 3  # running max, sum of exponentials, target logit
+_UNIT_KINDS = ("decoder_layer", "attention", "mlp")
+
+
+def apply_granularity(profile: Profile, granularity: str, target: str | None
+                      ) -> tuple[Profile, list[str]]:
+    """``profile`` with the blocks ``granularity`` allows, and notes for the plan.
+
+    Args:
+        profile: The profile to plan.
+        granularity: ``auto`` or ``sublayer`` (the head split into shards where the
+            runtime can split it) or ``layer`` (whole blocks).
+        target: An export format, or ``None``; exports plan at ``layer``.
+
+    Returns:
+        The profile to plan on and one-line notes.
+
+    Raises:
+        PlanError: ``granularity`` is not one of ``GRANULARITY_CHOICES``.
+    """
+    if granularity not in GRANULARITY_CHOICES:
+        raise PlanError(f"unknown granularity {granularity!r}; choose one of "
+                        f"{', '.join(GRANULARITY_CHOICES)}")
+    rows = profile.model.head_split_rows
+    if granularity == "layer" or not rows or profile.blocks[-1].kind != "head":
+        return profile, []
+    if target is not None:
+        return profile, [f"{target} cannot express cuts inside the head: planned at layer "
+                         f"granularity"]
+    num = num_shards(profile)
+    return split_head(profile, num), [
+        f"{profile.blocks[-1].name} split into {num} vocabulary shards; their costs are the "
+        f"head's by vocabulary fraction, each counts the whole head weight"]
+
+
+def num_shards(profile: Profile) -> int:
+    """``ceil(2 * head / unit)`` within 2..32 (``unit``: the cheapest layer or half-layer)."""
+    head = profile.blocks[-1]
+    units = [b.fwd_ms + b.bwd_ms for b in profile.blocks if b.kind in _UNIT_KINDS]
+    units = [u for u in units if u > 0] or [b.fwd_ms + b.bwd_ms for b in profile.blocks[:-1]]
+    unit = min((u for u in units if u > 0), default=0.0)
+    cost = head.fwd_ms + head.bwd_ms
+    num = math.ceil(2 * cost / unit) if unit > 0 else 2
+    return max(2, min(_MAX_SHARDS, num, profile.model.head_split_rows))
+
+
+def split_head(profile: Profile, num: int) -> Profile:
+    """``profile`` with its head block replaced by ``num`` shard blocks (module docstring)."""
+    head = profile.blocks[-1]
+    rows = profile.model.head_split_rows
+    setup = profile.setup
+    carry = _CARRY_VALUES * 4 * setup.micro_batch_size * max(setup.seq_len - 1, 1)
+    hidden = profile.blocks[-2].output_bytes if len(profile.blocks) > 1 else 0
+    shards = []
+    for i, name in enumerate(shard_names(head.name, num)):
+        lo, hi = vocab_range(i, num, rows)
+        frac = (hi - lo) / rows
+        shards.append(dataclasses.replace(
+            head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
+            bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
+            activation_bytes=round(head.activation_bytes * frac),
+            transient_bytes=round(head.transient_bytes * frac),
+            output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
+            num_params=round(head.num_params * frac), measured=(), reused_from=None,
+            modules=()))
+    return dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
+
+
+def cut_bounds(profile: Profile, cuts: Sequence[str], pp_size: int,
+               virtual_stages: int | str) -> tuple[tuple[tuple[int, int], ...], int]:
+    """Stage bounds and v of a split given as ``pipeline_cuts`` (last block of each stage
+    but the final one).
+
+    Raises:
+        PlanError: a name is not a block of ``profile``, the names are not in model
+            order, or their count is not ``pp_size * v - 1``.
+    """
+    names = [b.name for b in profile.blocks]
+    index = {name: i for i, name in enumerate(names)}
+    for cut in cuts:
+        if cut not in index:
+            hint = ("; head shards exist only at --granularity auto or sublayer"
+                    if parse_shard(cut) else "")
+            raise PlanError(f"--cuts names {cut!r}, which is not a block of the profile "
+                            f"(blocks: {names[0]} .. {names[-1]}){hint}; use block names "
+                            f"from `autopart plan` or the profile")
+    positions = [index[c] for c in cuts]
+    for a, b in zip(positions, positions[1:]):
+        if b <= a:
+            raise PlanError(f"--cuts must follow model order: {names[b]!r} comes after "
+                            f"{names[a]!r}; list the cuts from the first block to the last")
+    if positions and positions[-1] == len(names) - 1:
+        raise PlanError(f"--cuts ends with the last block {names[-1]!r}; a cut ends a stage "
+                        f"that has a stage after it")
+    count = len(cuts) + 1
+    if virtual_stages == "auto":
+        virtual = count // pp_size
+        if count % pp_size:
+            raise PlanError(f"--cuts gives {len(cuts)} cut(s) ({count} stages), expected "
+                            f"pp * v - 1 ({pp_size - 1}, {2 * pp_size - 1}, ... for pp "
+                            f"{pp_size}); give pp * v - 1 names")
+    elif count != pp_size * virtual_stages:
+        raise PlanError(f"--cuts gives {len(cuts)} cut(s) ({count} stages), expected pp * v "
+                        f"- 1 = {pp_size * virtual_stages - 1} for pp {pp_size}, v "
+                        f"{virtual_stages}; give pp * v - 1 names")
+    else:
+        virtual = virtual_stages
+    starts = [0, *(p + 1 for p in positions), len(names)]
+    return tuple(zip(starts[:-1], starts[1:])), virtual

@@ -1,0 +1,108 @@
+"""A vocabulary-heavy Llama on 2 CPU ranks: the head split by vocabulary vs the best
+whole-block plan, predicted and measured.
+
+The model is ``heavy-head-llama`` (vocabulary 32768, hidden 256) with 4 decoder
+layers, so the head (lm_head + loss) costs more than all the layers together and
+is the wall of any whole-block split over 2 ranks. Profiles it on CPU with one
+thread (as each rank runs), measures the local gloo link, then plans pp=2, 1F1B,
+m fixed, ``partition="optimal"`` twice: ``granularity="layer"`` (whole blocks, the
+best a partitioner without a head split can do) and ``granularity="auto"`` (the
+head split into vocabulary shards, ``lm_head.shard<i>of<k>``). Both run for real
+under ``autopart.verify`` (2 spawned gloo ranks, one thread each). Prints per plan
+its cut, predicted and measured step with the error, per-rank memory, and the
+head split's speed-up over the whole-block plan, predicted and measured. Run it on
+an idle machine; it prints the load average it saw.
+
+    python benchmarks/bench_head_split.py [--seq-len 128] [--microbatches 8] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from bench_verify_heavy_head import _row, measure_link
+
+from autopart.profile import profile_model
+from autopart.solve import make_plan
+from autopart.verify import RunReport, RunSettings, verify_plan
+
+PRESET = Path(__file__).resolve().parents[1] / "profiles" / "presets" / "heavy-head-llama.json"
+NUM_LAYERS = 4
+
+
+def model_config(directory: str) -> str:
+    """The heavy-head-llama config with ``NUM_LAYERS`` layers, written to ``directory``."""
+    config = json.loads(PRESET.read_text())
+    config.update(num_hidden_layers=NUM_LAYERS, _name_or_path=f"heavy-head-llama-{NUM_LAYERS}l")
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps(config, indent=2))
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_config(tmp)
+        profile = profile_model(model, backend="cpu", micro_batch_size=args.micro_batch_size,
+                                seq_len=args.seq_len, num_warmup=3, num_repeats=10)
+        boundary = max(b.output_bytes for b in profile.blocks if b.kind == "decoder_layer")
+        latency_ms, bandwidth, _ = measure_link(boundary)
+        print(f"gloo link (localhost): latency {latency_ms * 1e3:.0f} us, bandwidth "
+              f"{bandwidth / 1e9:.2f} GB/s")
+        plans = {name: make_plan(profile, pp_size=2, num_microbatches=args.microbatches,
+                                 schedule="1f1b", virtual_stages=1, granularity=granularity,
+                                 link_latency_ms=latency_ms,
+                                 link_bandwidth_bytes_per_s=bandwidth)
+                 for name, granularity in (("head split", "auto"), ("whole blocks", "layer"))}
+        settings = RunSettings(model=model, steps=args.steps, warmup=args.warmup,
+                               threads_per_rank=1)
+        reports = {}
+        for name, plan in plans.items():
+            print(f"{name:>12} plan: cut after {plan.pipeline_cuts[0]}, predicted "
+                  f"{plan.predicted_step_ms:.1f} ms")
+            reports[name] = verify_plan(plan, settings)
+    load_after = os.getloadavg()
+    _print_table(reports, profile, args)
+    split, whole = reports["head split"], reports["whole blocks"]
+    print(f"speed-up of the head split over the best whole-block plan: measured "
+          f"{whole.measured_step_ms / split.measured_step_ms:.3f}x, predicted "
+          f"{whole.predicted_step_ms / split.predicted_step_ms:.3f}x")
+    print(f"load average: before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+          f"(1-minute; 2 ranks x 1 thread)")
+
+
+def _print_table(reports: dict[str, RunReport], profile, args: argparse.Namespace) -> None:
+    head_ms = profile.blocks[-1].fwd_ms + profile.blocks[-1].bwd_ms
+    layer_ms = sum(b.fwd_ms + b.bwd_ms for b in profile.blocks if b.kind == "decoder_layer")
+    print(f"heavy-head-llama-{NUM_LAYERS}l, pp=2, 1f1b, m={args.microbatches}, micro batch "
+          f"{args.micro_batch_size} x {args.seq_len}, {args.steps} timed steps; head F+B "
+          f"{head_ms:.1f} ms vs all layers {layer_ms:.1f} ms (profiled)")
+    head = ["plan", "pred ms", "meas ms", "err", "spread"]
+    for r in range(2):
+        head += [f"r{r} pred MiB", f"r{r} meas MiB", f"r{r} err"]
+    rows = [head] + [_row(name, rep) for name, rep in reports.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    for name, rep in reports.items():
+        stages = ", ".join(f"s{s.index} F {s.measured_fwd_ms:.1f}/{s.predicted_fwd_ms:.1f} "
+                           f"B {s.measured_bwd_ms:.1f}/{s.predicted_bwd_ms:.1f}"
+                           for s in rep.stages)
+        print(f"  {name}: measured/predicted ms per microbatch: {stages}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Head shards as plan blocks, --granularity and --cuts: hand-worked costs and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from solve_helpers import llama_like
+
+from autopart.errors import PlanError
+from autopart.solve import make_plan
+from autopart.solve.baselines import baseline_split
+from autopart.solve.shards import apply_granularity, cut_bounds, num_shards, split_head
+from cli.main import main
+
+
+def _splittable(num_layers: int = 4, head_ms: float = 6.0, rows: int = 1000):
+    profile = llama_like(num_layers, head_ms=head_ms)
+    return dataclasses.replace(profile, model=dataclasses.replace(profile.model,
+                                                                  head_split_rows=rows))
+
+
+def test_shards_share_the_head_cost_by_vocabulary_fraction():
+    """4 shards of 1000 rows: 250 each, so F = head F / 4; the carry crosses every cut but
+    the last (hidden + 3 float32 per position), the last shard outputs the head's output."""
+    profile = _splittable()
+    head, norm = profile.blocks[-1], profile.blocks[-2]
+    split = split_head(profile, 4)
+    shards = split.blocks[-4:]
+    assert [b.name for b in shards] == [f"lm_head.shard{i}of4" for i in range(4)]
+    assert all(b.fwd_ms == pytest.approx(head.fwd_ms / 4) for b in shards)
+    assert sum(b.bwd_weight_ms for b in shards) == pytest.approx(head.bwd_weight_ms)
+    carry = 3 * 4 * profile.setup.micro_batch_size * (profile.setup.seq_len - 1)
+    assert [b.output_bytes for b in shards] == [norm.output_bytes + carry] * 3 + [4]
+    assert all(b.param_bytes == head.param_bytes for b in shards)  # whole weight on each
+    assert split.blocks[:-4] == profile.blocks[:-1]
+
+
+def test_num_shards_makes_a_shard_half_a_layer():
+    """head 6 ms F + 12 ms B against a 3 ms layer: ceil(2 * 18 / 3) = 12 shards."""
+    assert num_shards(_splittable(head_ms=6.0)) == 12
+    assert num_shards(_splittable(head_ms=0.5)) == 2  # at least two
+    assert num_shards(_splittable(head_ms=600.0)) == 32  # at most 32
+
+
+def test_granularity_layer_and_targets_keep_the_head_whole():
+    profile = _splittable()
+    assert apply_granularity(profile, "layer", None) == (profile, [])
+    whole, notes = apply_granularity(profile, "auto", "nxd")
+    assert whole is profile and notes == ["nxd cannot express cuts inside the head: planned "
+                                          "at layer granularity"]
+    assert apply_granularity(llama_like(4), "auto", None)[0].blocks[-1].name == "lm_head"
+    with pytest.raises(PlanError, match="unknown granularity"):
+        apply_granularity(profile, "fine", None)
+
+
+def test_baselines_keep_the_split_head_whole():
+    """The public tools' splits of the split profile are those of the whole-head profile."""
+    profile = _splittable()
+    split = split_head(profile, 4)
+    for name in ("even", "params", "torchtitan"):
+        whole = baseline_split(name, profile.blocks, 3)
+        got = baseline_split(name, split.blocks, 3)
+        assert got[:-1] == whole[:-1] and got[-1] == (whole[-1][0], len(split.blocks)), name
+
+
+def test_auto_granularity_beats_whole_layers_on_a_heavy_head():
+    """4 layers of F 1 + B 2 ms and a head of F 6 + B 12 ms on 2 ranks, 1F1B, m 4.
+    Whole blocks: rank 0 F 4.12 / B 8.24 ms, rank 1 the head: step = 4.12 + 4 * 18 + 8.24
+    = 84.36 ms. 12 shards of 1.5 ms: two join rank 0 (F 5.12 / B 10.24, 15.36 ms a
+    microbatch, rank 1 15 ms): step = 4 * 15.36 + 15 = 76.44 ms."""
+    profile = _splittable()
+    kwargs = {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}
+    layer = make_plan(profile, granularity="layer", **kwargs)
+    auto = make_plan(profile, **kwargs)
+    assert layer.predicted_step_ms == pytest.approx(84.36, rel=0.01)
+    assert auto.predicted_step_ms == pytest.approx(76.44, rel=0.01)
+    assert auto.pipeline_cuts == ("lm_head.shard1of12",)
+    assert auto.granularity == "sublayer" and layer.granularity == "layer"
+
+
+def test_cuts_are_evaluated_as_given():
+    profile = _splittable()
+    plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     cuts=["lm_head.shard5of12"])
+    assert plan.pipeline_cuts == ("lm_head.shard5of12",)
+    assert plan.solver.name == "cuts" and plan.virtual_stages == 1
+    assert cut_bounds(profile, ["model.layers.1", "model.layers.3"], 3, "auto") == (
+        ((0, 3), (3, 5), (5, 7)), 1)
+
+
+@pytest.mark.parametrize("cuts, message", [
+    (["model.layers.9"], "not a block of the profile"),
+    (["lm_head.shard1of4"], "head shards exist only at --granularity auto"),
+    (["model.layers.3", "model.layers.1", "model.norm"], "must follow model order"),
+    (["model.layers.1", "model.layers.2"], "expected pp * v - 1 (1, 3, ... for pp 2)"),
+    (["lm_head"], "ends with the last block"),
+])
+def test_bad_cuts_are_refused(cuts, message):
+    profile = llama_like(4)
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("*", r"\*").replace(".", r"\.")):
+        cut_bounds(profile, cuts, 2, "auto")
+
+
+def test_cuts_count_against_given_virtual_stages():
+    with pytest.raises(PlanError, match=r"expected pp \* v - 1 = 3 for pp 2, v 2"):
+        cut_bounds(llama_like(4), ["model.layers.1"], 2, 2)
+
+
+@pytest.mark.parametrize("cuts, message", [
+    ("model.layers.9", "--cuts names 'model.layers.9', which is not a block"),
+    ("model.layers.3,model.layers.1,model.norm", "--cuts must follow model order"),
+    ("model.layers.1,model.layers.2", "--cuts gives 2 cut(s) (3 stages), expected"),
+    ("model.layers.1,", "has an empty name"),
+])
+def test_cli_cuts_errors_are_one_line(tmp_path, capsys, cuts, message):
+    path = tmp_path / "p.json"
+    path.write_text(llama_like(4).to_json())
+    assert main(["plan", str(path), "--pp", "2", "--cuts", cuts]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and message in err, err
