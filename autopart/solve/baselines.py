@@ -146,7 +146,8 @@ def baseline_split(name: str, blocks: Sequence[BlockProfile], num_stages: int
     first = next((i for i, b in enumerate(blocks) if parse_shard(b.name)), None)
     if first is not None and num_stages <= first + 1:
         # these tools keep the head whole: its vocabulary shards count as one block
-        whole = replace(blocks[first], num_params=sum(b.num_params for b in blocks[first:]))
+        whole = replace(blocks[first], name=parse_shard(blocks[first].name)[0],
+                        num_params=sum(b.num_params for b in blocks[first:]))
         return [(i, len(blocks) if j > first else j)
                 for i, j in baseline_split(name, [*blocks[:first], whole], num_stages)]
     groups = layer_groups(blocks)

@@ -136,7 +136,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     plan = plan_from_split(setting.profile, setting.setup, best.evaluated, partition=partition,
                            solver=dataclasses.asdict(best.solver),
                            baselines=_baseline_json(best.evaluated, baselines), notes=notes)
-    finer = any(parse_shard(b.name) for b in profile.blocks)
+    finer = profile.setup.granularity != "layer" or any(parse_shard(b.name)
+                                                        for b in profile.blocks)
     return dataclasses.replace(plan, granularity="sublayer" if finer else "layer")
 
 

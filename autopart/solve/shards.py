@@ -7,13 +7,17 @@ ordinary blocks. Their costs are **derived**, not measured: the head's F, B, W,
 activation and workspace times the shard's vocabulary fraction (the head is its
 vocabulary matmul and the loss over the logits, both linear in the rows), plus the
 carry a shard sends on (the hidden state and three float32 values per position).
-Parameters: every stage holding a shard holds the whole head weight (the runtime
-indexes its rows), so each shard block counts the whole weight's bytes, an upper
-bound when one stage holds several shards. ``k`` makes a shard about half the
-smallest decoder layer (or half-layer): ``ceil(2 * head / unit)``, within 2..32.
+Parameters are divided by the same fraction, so the shards together count the
+head's weight once; the runtime, though, holds the whole head weight on every rank
+with a shard (it indexes its rows), so such a rank needs up to the head's
+parameters more static memory than planned: the plan's note says how many.
+``k`` makes a shard about half the smallest decoder layer (or half-layer):
+``ceil(2 * head / unit)``, within 2..32.
 
-``layer`` keeps the head whole; export targets, which cannot express a cut inside
-the head, plan at ``layer`` with a note.
+Decoder layers profiled as two halves (``profile --granularity sublayer``) stay
+halves at ``auto`` and ``sublayer``. ``layer`` fuses them back and keeps the head
+whole (``autopart.granularity.fuse_layers``); export targets, which cannot express
+a cut inside a layer or the head, plan at ``layer`` with a note.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 from collections.abc import Sequence
 
 from autopart.errors import PlanError
+from autopart.granularity import fuse_layers
 from autopart.intake.head_split import parse_shard, shard_names, vocab_range
 from autopart.schema import Profile
 
@@ -40,8 +45,8 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None
 
     Args:
         profile: The profile to plan.
-        granularity: ``auto`` or ``sublayer`` (the head split into shards where the
-            runtime can split it) or ``layer`` (whole blocks).
+        granularity: ``auto`` or ``sublayer`` (layer halves as profiled, the head split
+            into shards where the runtime can split it) or ``layer`` (whole blocks).
         target: An export format, or ``None``; exports plan at ``layer``.
 
     Returns:
@@ -54,15 +59,21 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None
         raise PlanError(f"unknown granularity {granularity!r}; choose one of "
                         f"{', '.join(GRANULARITY_CHOICES)}")
     rows = profile.model.head_split_rows
-    if granularity == "layer" or not rows or profile.blocks[-1].kind != "head":
-        return profile, []
+    finer = profile.setup.granularity != "layer" or (rows and profile.blocks[-1].kind == "head")
+    if granularity == "layer" or not finer:
+        return fuse_layers(profile), []
     if target is not None:
-        return profile, [f"{target} cannot express cuts inside the head: planned at layer "
-                         f"granularity"]
+        return fuse_layers(profile), [f"{target} cannot express cuts inside a layer or the "
+                                      f"head: planned at layer granularity"]
+    if not rows or profile.blocks[-1].kind != "head":
+        return profile, []
     num = num_shards(profile)
+    head = profile.blocks[-1]
     return split_head(profile, num), [
-        f"{profile.blocks[-1].name} split into {num} vocabulary shards; their costs are the "
-        f"head's by vocabulary fraction, each counts the whole head weight"]
+        f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
+        f"rank with a shard holds the whole head weight, up to "
+        f"{head.num_params * (num - 1) / num / 1e6:.1f}M parameters more than its memory "
+        f"figure"]
 
 
 def num_shards(profile: Profile) -> int:
@@ -93,7 +104,8 @@ def split_head(profile: Profile, num: int) -> Profile:
             activation_bytes=round(head.activation_bytes * frac),
             transient_bytes=round(head.transient_bytes * frac),
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
-            num_params=round(head.num_params * frac), measured=(), reused_from=None,
+            param_bytes=round(head.param_bytes * frac), num_params=round(head.num_params * frac),
+            measured=(), reused_from=None,
             modules=()))
     return dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
 
