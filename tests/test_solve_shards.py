@@ -85,13 +85,16 @@ def test_cuts_are_evaluated_as_given():
                      cuts=["lm_head.shard5of12"])
     assert plan.pipeline_cuts == ("lm_head.shard5of12",)
     assert plan.solver.name == "cuts" and plan.virtual_stages == 1
+    four = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     cuts=["lm_head.shard1of4"])  # the cut's K sets the number of shards
+    assert four.stages[1].modules == ("lm_head.shard2of4", "lm_head.shard3of4")
     assert cut_bounds(profile, ["model.layers.1", "model.layers.3"], 3, "auto") == (
         ((0, 3), (3, 5), (5, 7)), 1)
 
 
 @pytest.mark.parametrize("cuts, message", [
     (["model.layers.9"], "not a block of the profile"),
-    (["lm_head.shard1of4"], "head shards exist only at --granularity auto"),
+    (["lm_head.shard1of4"], "head shards exist only at --granularity auto or sublayer"),
     (["model.layers.3", "model.layers.1", "model.norm"], "must follow model order"),
     (["model.layers.1", "model.layers.2"], "expected pp * v - 1 (1, 3, ... for pp 2)"),
     (["lm_head"], "ends with the last block"),

@@ -87,7 +87,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
             head split into vocabulary shards where it can be (``autopart.solve.shards``);
             ``layer``: whole blocks. Export targets plan at ``layer``.
         cuts: Evaluate this split instead of searching: the last block of every stage
-            but the final one (``pp_size * v - 1`` names, in model order).
+            but the final one (``pp_size * v - 1`` names, in model order); shard names
+            ``lm_head.shard<i>of<k>`` set the number of shards.
         progress: ``progress(done, total, what)`` is called after each (schedule, v,
             m) is searched and once more after the local search.
         **setup_fields: Fields of ``TrainingSetup`` (optimizer, dtypes, link figures);
@@ -106,7 +107,9 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     if target is not None:
         schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
                                             num_microbatches)
-    profile, granularity_notes = apply_granularity(profile, granularity, target)
+    shard_counts = {parse_shard(c)[2] for c in cuts or () if parse_shard(c)}
+    profile, granularity_notes = apply_granularity(  # --cuts lm_head.shard1of4: 4 shards
+        profile, granularity, target, shards=min(shard_counts) if shard_counts else None)
     _check_args(profile, pp_size, partition, solver, virtual_stages)
     given = None
     if cuts is not None:

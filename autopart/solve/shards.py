@@ -39,8 +39,8 @@ _CARRY_VALUES = 3  # running max, sum of exponentials, target logit
 _UNIT_KINDS = ("decoder_layer", "attention", "mlp")
 
 
-def apply_granularity(profile: Profile, granularity: str, target: str | None
-                      ) -> tuple[Profile, list[str]]:
+def apply_granularity(profile: Profile, granularity: str, target: str | None,
+                      shards: int | None = None) -> tuple[Profile, list[str]]:
     """``profile`` with the blocks ``granularity`` allows, and notes for the plan.
 
     Args:
@@ -48,6 +48,7 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None
         granularity: ``auto`` or ``sublayer`` (layer halves as profiled, the head split
             into shards where the runtime can split it) or ``layer`` (whole blocks).
         target: An export format, or ``None``; exports plan at ``layer``.
+        shards: How many vocabulary shards (default: ``num_shards``).
 
     Returns:
         The profile to plan on and one-line notes.
@@ -67,7 +68,7 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None
                                       f"head: planned at layer granularity"]
     if not rows or profile.blocks[-1].kind != "head":
         return profile, []
-    num = num_shards(profile)
+    num = shards or num_shards(profile)
     head = profile.blocks[-1]
     return split_head(profile, num), [
         f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
@@ -123,8 +124,8 @@ def cut_bounds(profile: Profile, cuts: Sequence[str], pp_size: int,
     index = {name: i for i, name in enumerate(names)}
     for cut in cuts:
         if cut not in index:
-            hint = ("; head shards exist only at --granularity auto or sublayer"
-                    if parse_shard(cut) else "")
+            hint = ("; head shards exist only at --granularity auto or sublayer, and all "
+                    "shard names must agree on K" if parse_shard(cut) else "")
             raise PlanError(f"--cuts names {cut!r}, which is not a block of the profile "
                             f"(blocks: {names[0]} .. {names[-1]}){hint}; use block names "
                             f"from `autopart plan` or the profile")
