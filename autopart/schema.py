@@ -65,7 +65,10 @@ class BlockProfile:
 
     name: str
     """FQN of the block's module in the original model (the head block is named by
-    its output projection, e.g. ``lm_head``; the loss runs inside it)."""
+    its output projection, e.g. ``lm_head``; the loss runs inside it). Plans at
+    ``auto`` granularity may split the head into vocabulary shard blocks
+    ``lm_head.shard<i>of<k>`` (rows ``[i*V//k, (i+1)*V//k)``, ``autopart.intake.head_split``);
+    they appear in plans' ``stages[].modules`` and ``pipeline_cuts``."""
     kind: str
     """One of ``BLOCK_KINDS``."""
     fwd_ms: float

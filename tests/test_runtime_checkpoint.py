@@ -3,7 +3,8 @@
 The unpipelined Llama's weights (saved with DCP) start a 2-rank pipeline; the
 pipeline's checkpoint loads into the unpipelined model and gives the logits of the
 per-rank state dicts merged, and the loss the pipeline saw; training resumed from
-it reproduces the uninterrupted loss curve.
+it reproduces the uninterrupted loss curve. The same holds with the head split
+into two vocabulary shards on the two ranks (each holds the tied weight whole).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from families import init_real
 from runtime_helpers import make_stage_plan, padded_batch, run_ranks
 
 from autopart.intake import discover_blocks, load_model
+from autopart.intake.head_split import shard_names
 from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -48,9 +50,15 @@ def _train(pipe, optimizer, batches, first_step: int, save_at: int | None = None
     return losses
 
 
-def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: str) -> dict:
+def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: str,
+            split_head: bool) -> dict:
     chain = discover_blocks(load_model(SOURCE).model)
-    plan = make_stage_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
+    if split_head:  # rank 0: .. norm, lm_head.shard0of2; rank 1: lm_head.shard1of2
+        names = chain.names[:-1] + shard_names(chain.names[-1], 2)
+        plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
+                               names=names)
+    else:
+        plan = make_stage_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
     batches = _batches()
     pipe = auto_pipeline(SOURCE, plan=plan, device="cpu", init_seed=5)
     assert load_checkpoint(pipe, None, init_dir) is None  # weights of the unpipelined model
@@ -65,7 +73,8 @@ def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: st
 
 
 @pytest.mark.timeout(240)
-def test_checkpoint_round_trip_and_resume(tmp_path):
+@pytest.mark.parametrize("split_head", [False, True])
+def test_checkpoint_round_trip_and_resume(tmp_path, split_head):
     init_dir, ckpt_dir, sd_dir = (tmp_path / d for d in ("init", "ckpt", "sd"))
     sd_dir.mkdir()
     reference = _real_model()
@@ -73,7 +82,8 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
     input_ids, mask, labels = _batches()[0]
     ref_loss = reference(input_ids=input_ids, attention_mask=mask, labels=labels).loss.item()
 
-    results = run_ranks(_worker, 2, tmp_path, str(init_dir), str(ckpt_dir), str(sd_dir))
+    results = run_ranks(_worker, 2, tmp_path, str(init_dir), str(ckpt_dir), str(sd_dir),
+                        split_head)
     last = results[1]
     assert results[0]["full"][0] is None and last["step"] == 2
     assert abs(last["full"][0] - ref_loss) < 1e-5, "pipeline did not start from the HF weights"

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from autopart.errors import SchemaError
+from autopart.intake.head_split import collapse_shards, parse_shard
 from autopart.schema import BlockProfile, Plan, Profile
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
@@ -24,7 +25,9 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     """Fold a verify run's measured stage times back into the profile.
 
     Every block of a stage has its F, B and W times scaled by that stage's measured /
-    predicted ratio, so planning again from the result predicts what was measured.
+    predicted ratio, so planning again from the result predicts what was measured. A
+    head split into vocabulary shards over several stages gets the mean of their
+    ratios, each weighted by its share of the vocabulary.
 
     Args:
         profile: The profile the plan was made from.
@@ -45,12 +48,20 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     index = {b.name: i for i, b in enumerate(profile.blocks)}
     blocks = list(profile.blocks)
     factors = []
+    shares: dict[str, list[tuple[float, dict[str, float]]]] = {}
     for stage in report.stages:
         ratio = _ratios(stage)
         for name in stage.modules:
-            blocks[index[name]] = _scaled(blocks[index[name]], ratio)
+            # a head shard i of k: its stage's ratio counts for 1/k of the whole head
+            parsed = parse_shard(name)
+            block, weight = (parsed[0], 1 / parsed[2]) if parsed else (name, 1.0)
+            shares.setdefault(block, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
                         "last_block": stage.modules[-1], **ratio})
+    for name, parts in shares.items():
+        total = sum(weight for weight, _ in parts)
+        mean = {key: sum(weight * r[key] for weight, r in parts) / total for key in parts[0][1]}
+        blocks[index[name]] = _scaled(blocks[index[name]], mean)
     previous = [profile.calibration] if profile.calibration else []
     record = {"source": source, "plan_digest": report.plan_digest,
               "schedule": report.schedule, "device": report.device,
@@ -75,7 +86,7 @@ def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
         raise SchemaError(f"this run (plan digest {report.plan_digest}) is already folded into "
                           f"the profile; calibrate the original profile, or verify again")
     names = {b.name for b in profile.blocks}
-    missing = [m for s in report.stages for m in s.modules if m not in names]
+    missing = [m for s in report.stages for m in collapse_shards(s.modules) if m not in names]
     if missing:
         raise SchemaError(f"the run report names blocks the profile lacks ({missing[:3]}); "
                           f"pass the profile the plan came from")
