@@ -5,7 +5,8 @@ Runs, in one process and one go:
 1. the machine check (``autopart calibrate --machine --pp 2``): the pipeline
    runtime's own cost per F, B, send/recv and step, and the local gloo link;
 2. for a heavy-head model (``heavy-head-llama``: vocabulary 32768 vs hidden 256) and
-   a model with millisecond blocks (``tiny-llama``, micro batch 2 x 64 tokens):
+   a model with millisecond blocks (a Llama config written here: hidden 128, 8
+   layers, vocabulary 8192, micro batch 2 x 64 tokens; layers of 1-2 ms):
    profile at the thread count each rank will get (``autopart profile MODEL --pp 2``),
    plan pp=2 1F1B with the optimal and the even partition, run both for real
    (``autopart verify``, 2 spawned gloo ranks) and print predicted vs measured step,
@@ -26,7 +27,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,15 +39,27 @@ from autopart.solve import make_plan
 from autopart.verify import RunReport, RunSettings, check_machine, verify_plan
 from autopart.verify.report import report_thread_mismatch
 
-MODELS = {"heavy-head-llama": {"seq_len": 128, "micro_batch_size": 1},
-          "tiny-llama": {"seq_len": 64, "micro_batch_size": 2}}
+SMALL = {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 8,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+         "max_position_embeddings": 256}
+"""The millisecond-block model (an HF Llama config)."""
+SHAPES = {"heavy-head-llama": {"seq_len": 128, "micro_batch_size": 1},
+          "small": {"seq_len": 64, "micro_batch_size": 2}}
 
 
-def _profile(model: str, threads: int, check: RuntimeOverhead | None) -> Profile:
+def _small_config(folder: str) -> str:
+    """Write the millisecond-block model's config.json; return the model source (its path)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", **SMALL).save_pretrained(folder)
+    return str(Path(folder) / "config.json")
+
+
+def _profile(model: str, shape: str, threads: int, check: RuntimeOverhead | None) -> Profile:
     """``autopart profile MODEL --pp 2`` (or default threads): the machine check attached
     when it was taken at this thread count, as the CLI does."""
     torch.set_num_threads(threads)
-    profile = profile_model(model, backend="cpu", **MODELS[model])
+    profile = profile_model(model, backend="cpu", **SHAPES[shape])
     if check is not None and check.num_threads == threads:
         profile = dataclasses.replace(profile, runtime_overhead=check)
     return profile
@@ -59,7 +74,8 @@ def _run(model: str, profile: Profile, args: argparse.Namespace,
         plan = make_plan(profile, pp_size=2, num_microbatches=args.microbatches,
                          schedule="1f1b", virtual_stages=1, partition=partition)
         reports[partition] = verify_plan(plan, settings)
-        print(f"  {model} {partition:>7}: cut after {plan.pipeline_cuts[0]}", flush=True)
+        print(f"  {Path(model).parent.name or model} {partition:>7}: cut after "
+              f"{plan.pipeline_cuts[0]}", flush=True)
     return reports
 
 
@@ -92,11 +108,14 @@ def main() -> None:
           f"+{check.step_ms:.3f} ms; link {1e3 * check.link_latency_ms:.0f} us, "
           f"{check.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s", flush=True)
     runs = []
-    for model in MODELS:
-        profile = _profile(model, rank_threads, check)
-        runs.append((model, f"--pp 2 ({rank_threads}t)", _run(model, profile, args,
-                                                               rank_threads)))
-    profile = _profile("heavy-head-llama", default_threads, check)
+    with tempfile.TemporaryDirectory(prefix="ms-llama-") as folder:
+        for name, model in (("heavy-head-llama", "heavy-head-llama"),
+                            ("small", _small_config(folder))):
+            profile = _profile(model, name, rank_threads, check)
+            runs.append((name if name != "small" else "ms-block llama",
+                         f"--pp 2 ({rank_threads}t)",
+                         _run(model, profile, args, rank_threads)))
+    profile = _profile("heavy-head-llama", "heavy-head-llama", default_threads, check)
     default_run = _run("heavy-head-llama", profile, args, rank_threads)
     runs.append(("heavy-head-llama", f"default ({default_threads}t)", default_run))
     load_after = os.getloadavg()
