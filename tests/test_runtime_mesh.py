@@ -7,8 +7,9 @@ as its ``base_model_tp_plan`` says, and one training step must equal
 whole from its shards with ``full_tensor()``, within 1e-5; the global grad norm
 of ``clip_grad_norm_`` equals the reference's (each shard counted once).
 Qwen3's per-head ``q_norm``/``k_norm`` see only their rank's heads: their gradients
-are summed over the tp group. pp 2 x dp 2: the mesh comes from the plan too; each
-replica takes half the batch.
+are summed over the tp group. Tied embeddings: the head's copy of the tied weight
+(its own FQN, ``lm_head.weight``) is summed with the embedding's. pp 2 x dp 2: the
+mesh comes from the plan too; each replica takes half the batch.
 
 The plans' ``tp_size`` / ``dp_size`` are written by hand (``dataclasses.replace``)
 on a contiguous plan: the planner's mesh search is not what is tested here.
@@ -39,14 +40,13 @@ TP_SCHEDULES = {"1f1b": [4, 3], "interleaved-zb": [2, 1, 2, 2], "zbv": [2, 2, 2,
 
 def _compare(pipe, loss, ref_loss: float, ref_grads: dict) -> dict:
     """Loss, max |gathered grad - reference grad| and the shards this rank holds."""
-    diffs, num_sharded, local_numel = {}, 0, 0
+    diffs, num_sharded = {}, 0
     for name, p in pipe.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         ref = ref_grads.get(name, ref_grads.get(ALIASES.get(name, ""), None))
         diffs[name] = (grad - ref).abs().max().item()
         if is_sharded(p):
             num_sharded += 1
-            local_numel += p.to_local().numel()
             assert p.to_local().numel() * 2 == p.numel(), name
     return {"loss": None if loss is None else loss.item(), "ref_loss": ref_loss,
             "max_grad_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get),
@@ -71,6 +71,7 @@ def _tp_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
         results[name]["tp_size"] = pipe.groups.tp_size
     results["ckpt"] = _checkpoint_round_trip(pipe, state, ckpt_dir)
     results["qwen3"] = _qwen3_tp(batch)
+    results["tied"] = _tied_tp(batch)
     plan = make_stage_plan(chain, [4, 3], schedule="1f1b", pp_size=2, num_microbatches=2)
     pipe = auto_pipeline(_meta_model("tiny-llama"), plan=dataclasses.replace(plan, dp_size=2),
                          device="cpu")
@@ -99,6 +100,21 @@ def _qwen3_tp(batch: tuple) -> dict:
     return _compare(pipe, loss, out.loss.item(), ref_grads)
 
 
+def _tied_tp(batch: tuple) -> dict:
+    """tiny-llama-tied at pp 2 x tp 2 (GPipe): the embedding on pp rank 0, the tied head
+    on pp rank 1, in each of the two pipelines."""
+    state, ref_loss, ref_grads = reference("tiny-llama-tied", batch)
+    chain = discover_blocks(_meta_model("tiny-llama-tied"))
+    plan = make_stage_plan(chain, [3, 4], schedule="gpipe", pp_size=2, num_microbatches=4)
+    pipe = auto_pipeline(_meta_model("tiny-llama-tied"),
+                         plan=dataclasses.replace(plan, tp_size=2), device="cpu")
+    pipe.load_state_dict(state)
+    input_ids, mask, labels = batch
+    loss = pipe.step(input_ids, target=labels, attention_mask=mask)
+    copies = [*ref_grads, "lm_head.weight"]  # the head's copy of the tied weight
+    return _compare(pipe, loss, ref_loss, ref_grads) | {"ref_params": copies}
+
+
 def _checkpoint_round_trip(pipe, state: dict, ckpt_dir: str) -> float:
     """Save the pp 2 x tp 2 model with DCP, load it into the whole unpipelined model on
     every rank: max |loaded - reference| (the reference weights went into the pipe)."""
@@ -110,9 +126,10 @@ def _checkpoint_round_trip(pipe, state: dict, ckpt_dir: str) -> float:
 
 @pytest.mark.timeout(600)
 def test_pp2_tp2_and_pp2_dp2_match_unpipelined(tmp_path):
-    """4 gloo ranks; three schedules at pp 2 x tp 2 (and Qwen3), then 1F1B at pp 2 x dp 2."""
+    """4 gloo ranks; three schedules at pp 2 x tp 2, Qwen3 and tied embeddings, then 1F1B at
+    pp 2 x dp 2."""
     results = run_ranks(_tp_worker, 4, tmp_path, str(tmp_path / "ckpt"))
-    for name in [*TP_SCHEDULES, "dp", "qwen3"]:
+    for name in [*TP_SCHEDULES, "dp", "qwen3", "tied"]:
         for r in results:
             assert r[name]["max_grad_diff"] < TOL, (name, r[name])
         losses = [r[name]["loss"] for r in results if r[name]["loss"] is not None]
