@@ -17,7 +17,6 @@ from pathlib import Path
 
 from autopart._data import data_path
 from autopart.profile.devices import parse_backend
-from autopart.profile.profiler import profile_model
 from autopart.schema import Profile
 
 __all__ = ["profile_tp_shard", "shard_config"]
@@ -67,6 +66,8 @@ def profile_tp_shard(profile: Profile, tp: int) -> Profile | None:
     config = _read_config(profile.model.source)
     if config is None:
         return None
+    from autopart.profile.profiler import profile_model  # torch: only when a shard is made
+
     setup = profile.setup
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"

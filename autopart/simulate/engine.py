@@ -45,6 +45,7 @@ __all__ = [
     "critical_counts",
     "duration_table",
     "peak_memory",
+    "updated_duration_table",
     "run_compiled",
     "simulate",
     "simulate_batch",
@@ -145,6 +146,24 @@ def duration_table(stage_costs: Sequence[StageCost], split_backward: bool,
     send and the gradient send, as ``5 * num_stages`` values (``levels.py``)."""
     rows = (*_durations(stage_costs, split_backward), *_comm_times(stage_costs, setup))
     return np.array([x for row in rows for x in row], dtype=np.float64)
+
+
+def updated_duration_table(table: np.ndarray, stage_costs: Sequence[StageCost],
+                           stages: Sequence[int], split_backward: bool,
+                           setup: TrainingSetup) -> np.ndarray:
+    """``duration_table(stage_costs, ...)`` from another split's ``table`` when only
+    ``stages`` changed: their rows (and the next stage's gradient send) are rewritten."""
+    out = table.copy()
+    num = len(stage_costs)
+    for s in stages:
+        sc = stage_costs[s]
+        out[s] = sc.fwd_ms
+        out[num + s] = sc.bwd_input_ms if split_backward else sc.bwd_input_ms + sc.bwd_weight_ms
+        out[2 * num + s] = sc.bwd_weight_ms if split_backward else 0.0
+        out[3 * num + s] = comm_ms(sc.output_bytes, setup)
+        if s + 1 < num:
+            out[4 * num + s + 1] = comm_ms(sc.output_bytes, setup)
+    return out
 
 
 def critical_counts(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from autopart.schema import BlockProfile, Profile
@@ -74,11 +74,8 @@ class Judge(Protocol):
     def evaluate(self, bounds: Bounds, recompute: tuple[bool, ...]) -> Any:
         """Simulate a split (an ``Evaluated``)."""
 
-    def lower_bound(self, counts: Any, bounds: Bounds, recompute: tuple[bool, ...]) -> float:
-        """A lower bound on a split's step from the current split's critical path."""
-
-    def critical(self, current: Any) -> Any:
-        """The critical-path counts of a simulated split (``simulate.critical_counts``)."""
+    def critical(self, current: Any) -> Callable[[Bounds, tuple[bool, ...]], float]:
+        """From a simulated split's critical path, a lower bound on another split's step."""
 
 
 _PAIR_MOVES_MAX_CUTS = 16
@@ -87,31 +84,39 @@ _BOUND_SLACK = 1e-9
 """Relative margin on the bound (covers rounding in its sum)."""
 
 
-def refine(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int = 300) -> Any:
+def refine(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int = 300,
+           visited: set | None = None) -> Any:
     """Hill-climb from ``start`` (an ``Evaluated``) by moving one or two cuts at a time.
 
     A move is kept when it fits and lowers the step (or keeps it and lowers peak
     memory); moves are tried in a fixed order (recompute drops, single cuts, pairs
     of cuts) and the first that helps is taken. The current critical path, with a
-    move's durations, bounds the move's step from below (``judge.lower_bound``):
+    move's durations, bounds the move's step from below (``judge.critical``):
     when that bound is not below the current step the move cannot make the step
     faster and is not simulated, so only moves that shorten the critical path are
     re-simulated. Deterministic: ``max_evals`` counts simulations, never time.
+    ``visited`` (shared by the searches of one configuration) holds the splits
+    earlier searches passed through: from one of those the climb would repeat an
+    earlier one, so it stops there.
     """
     best, num_evals = start, 0
-    improved = True
+    visited = set() if visited is None else visited
+    improved = (start.bounds, start.recompute) not in visited
+    visited.add((start.bounds, start.recompute))
     while improved and num_evals < max_evals:
         improved = False
-        counts = judge.critical(best)
+        bound = judge.critical(best)
         step = best.result.step_ms
         floor = step - _BOUND_SLACK * max(1.0, abs(step))
         for bounds, recompute in neighbours(best.bounds, best.recompute, allowed):
-            if judge.lower_bound(counts, bounds, recompute) >= floor:
+            if bound(bounds, recompute) >= floor:
                 continue
             candidate = judge.evaluate(bounds, recompute)
             num_evals += 1
             if candidate.fits and _key(candidate) < _key(best):
-                best, improved = candidate, True
+                best = candidate
+                improved = (best.bounds, best.recompute) not in visited
+                visited.add((best.bounds, best.recompute))
                 break
             if num_evals >= max_evals:
                 break

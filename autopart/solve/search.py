@@ -241,14 +241,16 @@ def _refined(settings: dict[int, Setting], fitting: list[Candidate],
         if config not in top:
             top.append(config)
     top = top[:_NUM_REFINED]
-    out, seen = list(fitting), set()
+    out = list(fitting)
+    judges = {config: ConfigJudge(settings[config.num_microbatches], config) for config in top}
+    visited: dict[Config, set] = {config: set() for config in top}
     for cand in ranked:
         config, ev = Config.of(cand.evaluated), cand.evaluated
-        if config not in top or (config, ev.bounds, ev.recompute) in seen:
+        if config not in top:
             continue
-        seen.add((config, ev.bounds, ev.recompute))
-        judge = ConfigJudge(settings[config.num_microbatches], config)
-        better = refine(judge, ev, judge.setting.allowed, max_evals=max_evals)
+        judge = judges[config]
+        better = refine(judge, ev, judge.setting.allowed, max_evals=max_evals,
+                        visited=visited[config])
         if better is not ev:
             gain = ev.result.step_ms / better.result.step_ms - 1
             out.append(Candidate(better, dataclasses.replace(

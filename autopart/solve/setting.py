@@ -13,14 +13,18 @@ from autopart.cost import BlockArrays, StageCost, block_arrays, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info
 from autopart.schema import BlockProfile, Profile, TrainingSetup, setup_fields_with_precision
-from autopart.simulate.engine import critical_counts, duration_table
+from autopart.simulate.engine import (
+    critical_counts,
+    duration_table,
+    updated_duration_table,
+)
 from autopart.solve.assemble import Evaluated, evaluate_split
 from autopart.solve.baselines import baseline_split
 from autopart.solve.chain import Chain, build_chain
 from autopart.solve.records import Config
 from autopart.solve.refine import allowed_cuts, fuse_blocks
 
-__all__ = ["ConfigJudge", "Setting", "build_settings", "search_configs"]
+__all__ = ["ConfigJudge", "PathBound", "Setting", "build_settings", "search_configs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,31 +80,54 @@ class ConfigJudge:
         """Simulate a split under the configuration."""
         return self.setting.evaluate(self.config, bounds, recompute)
 
-    def critical(self, current: Evaluated) -> np.ndarray:
-        """Critical-path counts of a simulated split (``simulate.critical_counts``)."""
+    def critical(self, current: Evaluated) -> PathBound:
+        """The bound from a simulated split's critical path (``simulate.critical_counts``)."""
         config = self.config
-        return critical_counts(current.stage_costs, schedule=config.schedule,
-                               pp_size=config.pp_size, virtual_stages=config.virtual_stages,
-                               num_microbatches=config.num_microbatches,
-                               setup=self.setting.setup)
+        counts = critical_counts(current.stage_costs, schedule=config.schedule,
+                                 pp_size=config.pp_size, virtual_stages=config.virtual_stages,
+                                 num_microbatches=config.num_microbatches,
+                                 setup=self.setting.setup)
+        split = schedule_info(config.schedule).split_backward
+        table = duration_table(current.stage_costs, split, self.setting.setup)
+        return PathBound(self, current, counts, table, split)
 
-    def lower_bound(self, counts: np.ndarray, bounds: Sequence[tuple[int, int]],
-                    recompute: Sequence[bool]) -> float:
-        """The current critical path's length under another split's durations."""
-        split = schedule_info(self.config.schedule).split_backward
-        costs = self._costs(bounds, recompute)
-        return float(counts @ duration_table(costs, split, self.setting.setup))
+    def cost(self, first: int, stop: int, recompute: bool) -> StageCost:
+        """The (cached) cost of the stage holding blocks ``first .. stop - 1``."""
+        key = (first, stop, recompute)
+        found = self.stage_costs.get(key)
+        if found is None:
+            found = self.stage_costs[key] = stage_cost(self.setting.arrays, first, stop - 1,
+                                                       recompute)
+        return found
 
-    def _costs(self, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool]
-               ) -> list[StageCost]:
-        costs = []
-        for (i, j), flag in zip(bounds, recompute):
-            key = (i, j, flag)
-            cost = self.stage_costs.get(key)
-            if cost is None:
-                cost = self.stage_costs[key] = stage_cost(self.setting.arrays, i, j - 1, flag)
-            costs.append(cost)
-        return costs
+
+@dataclass(frozen=True, slots=True)
+class PathBound:
+    """One critical path of the current split, to bound the step of its neighbours."""
+
+    judge: ConfigJudge
+    """The configuration's judge (stage costs)."""
+    current: Evaluated
+    """The split whose critical path this is."""
+    counts: np.ndarray
+    """How often each duration-table entry lies on the path."""
+    table: np.ndarray
+    """The current split's duration table."""
+    split_backward: bool
+    """B and W run apart in this schedule."""
+
+    def __call__(self, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool]) -> float:
+        """The path's length under another split's durations (a lower bound on its
+        step); only the stages that differ from the current split are recomputed."""
+        current = self.current
+        changed = [s for s, (b, r) in enumerate(zip(bounds, recompute))
+                   if b != current.bounds[s] or r != current.recompute[s]]
+        costs = list(current.stage_costs)
+        for s in changed:
+            costs[s] = self.judge.cost(*bounds[s], recompute[s])
+        table = updated_duration_table(self.table, costs, changed, self.split_backward,
+                                       self.judge.setting.setup)
+        return float(self.counts @ table)
 
 
 def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
