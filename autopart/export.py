@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 from autopart.errors import PlanError
+from autopart.granularity import fuse_layers
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, Profile
 from autopart.targets import TARGETS, planning_constraints
@@ -195,6 +196,7 @@ def export_plan(plan: Plan, profile: Profile, fmt: str, *, module_names: str = "
         PlanError: An unknown format or ``module_names``, a plan the tool cannot
             run, or a model torchtitan's names cannot describe.
     """
+    profile = fuse_layers(profile)  # exports name whole layers (make_plan fused it too)
     planning_constraints(fmt).check_plan(plan, profile)
     if module_names not in MODULE_NAMES:
         raise PlanError(f"unknown module_names {module_names!r}; choose one of "

@@ -141,3 +141,31 @@ def test_baselines_never_cut_inside_a_layer(profiles):
         assert all(i in starts for i, _ in got), (name, got)
         units = [starts[i] for i, _ in got]
         assert units == [i for i, _ in baseline_split(name, whole.blocks, 3)], name
+
+
+def test_exports_plan_a_sublayer_profile_at_layer_granularity(profiles):
+    """NxD and Megatron name whole layers: the halves are fused, and the plan says so."""
+    from autopart.export import export_plan
+    from autopart.solve import make_plan
+
+    whole, sub = profiles
+    plan = make_plan(sub, pp_size=2, num_microbatches=4, schedule="1f1b", target="nxd")
+    layer_names = {b.name for b in whole.blocks}
+    assert all(m in layer_names for s in plan.stages for m in s.modules)
+    assert any("planned at layer granularity" in n for n in plan.notes)
+    assert "pipeline_cuts" in export_plan(plan, sub, "nxd")
+    finer = make_plan(sub, pp_size=2, num_microbatches=4, schedule="1f1b")
+    assert {m for s in finer.stages for m in s.modules} == {b.name for b in sub.blocks}
+
+
+def test_runtime_builds_the_chain_at_the_plans_granularity(profiles):
+    from autopart.runtime.builder import chain_for_plan
+    from autopart.solve import make_plan
+
+    model = build_hf_model(tiny_config("llama"))
+    chain = discover_blocks(model)
+    for profile in profiles:
+        plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b")
+        picked = chain_for_plan(model, chain, plan)
+        assert picked.names == [b.name for b in profile.blocks]
+        assert picked.granularity == profile.setup.granularity

@@ -111,6 +111,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
         plan_options = {"granularity": "layer", **(plan_options or {})}
     groups, plan_obj, tp_plan = _groups_and_plan(plan, model_or_source, root, chain, pp_group,
                                                  device_mesh, dev, plan_options)
+    chain = chain_for_plan(root, chain, plan_obj)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
     split_head = check_head_split(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
@@ -178,6 +179,16 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
     groups = resolve_groups(pp_group, device_mesh, device_type=device.type,
                             sizes=(plan_obj.pp_size, plan_obj.dp_size, plan_obj.tp_size))
     return groups, plan_obj, tp_plan
+
+
+def chain_for_plan(root: nn.Module, chain: BlockChain, plan: Plan) -> BlockChain:
+    """``chain`` at the granularity ``plan`` was made at (its blocks name the halves of
+    decoder layers when it was planned from a ``sublayer`` profile)."""
+    planned = {m for stage in plan.stages for m in stage.modules}
+    if planned <= set(chain.names):
+        return chain
+    finer = discover_blocks(root, granularity="sublayer")
+    return finer if planned <= set(finer.names) else chain
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
