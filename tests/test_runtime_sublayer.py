@@ -4,8 +4,9 @@ Each family's tiny config is profiled at ``sublayer`` granularity (11 blocks:
 embedding, 4 x (attention half, MLP half), norm, head) and cut after attention
 halves, on 2 gloo ranks. The loss and every parameter gradient of one step on a
 padded batch must equal those of the same model (same weights) run whole, max abs
-diff < 1e-5 in fp32; every schedule is run for Llama, and the ranks' state dicts
-together carry exactly the original model's keys.
+diff < 1e-5 in fp32; every schedule is run for Llama, a head split into vocabulary
+shards is combined with the halves once, and the ranks' state dicts together carry
+exactly the original model's keys.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from families import real_model, tiny_config
 from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
 
 from autopart.intake import discover_blocks
+from autopart.intake.head_split import shard_names
 from autopart.intake.sources import build_hf_model
 from autopart.runtime import auto_pipeline
 from autopart.runtime.builder import tied_parameters
@@ -34,6 +36,8 @@ EVERY_SCHEDULE = {
     "dualpipev": [2, 4, 2, 3],
 }
 TWO = {name: EVERY_SCHEDULE[name] for name in ("1f1b", "interleaved-1f1b")}
+# "<schedule>:<k>": the head split into k vocabulary shards too (12 blocks for k = 2)
+WITH_SHARDS = {"1f1b:2": [4, 8], "interleaved-1f1b:2": [2, 3, 6, 1]}
 TIED = ("gemma3_text", "gpt2")
 
 
@@ -51,15 +55,18 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict,
     assert chain.granularity == "sublayer" and len(chain.blocks) == 11, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
     results = {"ref_loss": ref.loss.item(), "ref_keys": sorted(state)}
-    for schedule, counts in plans.items():
+    for key, counts in plans.items():
+        schedule, _, shards = key.partition(":")
+        names = chain.names[:-1] + (shard_names(chain.names[-1], int(shards)) if shards
+                                    else chain.names[-1:])
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
-                               num_microbatches=4)
+                               num_microbatches=4, names=names)
         pipe = auto_pipeline(build_hf_model(config), plan=plan, device="cpu",
                              activation_checkpointing=True if recompute else None)
         pipe.load_state_dict(state)
         loss = pipe.step(input_ids, target=labels, attention_mask=mask)
         diffs = max_grad_diffs(pipe.named_parameters(), ref_grads, aliases)
-        results[schedule] = {"loss": None if loss is None else loss.item(),
+        results[key] = {"loss": None if loss is None else loss.item(),
                              "max_grad_diff": max(diffs.values()),
                              "worst": max(diffs, key=diffs.get),
                              "keys": sorted(pipe.state_dict())}
@@ -96,3 +103,9 @@ def test_family_with_cuts_inside_layers(tmp_path, model_type):
 def test_recomputed_halves_train_exactly(tmp_path):
     """Activation checkpointing of every half gives the same loss and gradients."""
     _check(run_ranks(_worker, 2, tmp_path, "llama", TWO, True), TWO)
+
+
+@pytest.mark.timeout(240)
+def test_halves_with_a_split_head_train_exactly(tmp_path):
+    """Cuts inside layers and between vocabulary shards of the head in one plan."""
+    _check(run_ranks(_worker, 2, tmp_path, "qwen2", WITH_SHARDS, False), WITH_SHARDS)

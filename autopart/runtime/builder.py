@@ -184,7 +184,7 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
 def chain_for_plan(root: nn.Module, chain: BlockChain, plan: Plan) -> BlockChain:
     """``chain`` at the granularity ``plan`` was made at (its blocks name the halves of
     decoder layers when it was planned from a ``sublayer`` profile)."""
-    planned = {m for stage in plan.stages for m in stage.modules}
+    planned = set(collapse_shards([m for stage in plan.stages for m in stage.modules]))
     if planned <= set(chain.names):
         return chain
     finer = discover_blocks(root, granularity="sublayer")
