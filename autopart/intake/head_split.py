@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # shard names are plain strings: planning must not import torch
+    from torch import nn
 
 __all__ = ["collapse_shards", "head_split_refusal", "parse_shard", "shard_name",
            "shard_names", "vocab_range"]
@@ -72,6 +74,8 @@ def head_split_refusal(model: nn.Module, head: str) -> str | None:
     scaling or soft-capping in the config).
     """
     module = model.get_submodule(head)
+    from torch import nn
+
     if not isinstance(module, nn.Linear):
         return f"the head {head} is a {type(module).__name__}, not an nn.Linear"
     config = getattr(model, "config", None)
