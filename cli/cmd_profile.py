@@ -163,6 +163,8 @@ def summary_table(profile: Profile) -> Table:
         table.add_column(name, footer=footer, justify="right" if 2 <= i <= 7 else "left")
     for b in blocks:
         source = "measured" if "fwd_ms" in b.measured else "estimated"
+        if b.noisy:
+            source = "noisy"  # disturbed even after re-measuring (see the warning line)
         table.add_row(b.name, b.kind, f"{b.fwd_ms:.3f}", f"{b.bwd_input_ms:.3f}",
                       f"{b.bwd_weight_ms:.3f}", _count(b.num_params),
                       f"{b.activation_bytes / _MIB:.2f}", f"{b.output_bytes / _MIB:.2f}",

@@ -62,3 +62,15 @@ def test_disturbed_blocks_are_not_reused(monkeypatch):
     assert [b.reused_from for b in profile.blocks] == [None] * 5
     assert all(b.noisy and b.num_measurements == 3 for b in profile.blocks)
     assert len(profile.setup.load_average) == 2
+
+
+def test_table_marks_disturbed_blocks(monkeypatch):
+    from cli.cmd_profile import summary_table
+
+    monkeypatch.setattr(engines, "measure_times_clean", lambda *a: dataclasses.replace(
+        measure.measure_times(*a), noisy=True))
+    profile = profile_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), num_warmup=1,
+                            num_repeats=2, seq_len=16)
+    table = summary_table(profile)
+    times = next(c for c in table.columns if c.header == "times")
+    assert list(times._cells) == ["noisy", "noisy"]
