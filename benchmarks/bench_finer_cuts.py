@@ -120,12 +120,12 @@ def main() -> None:
     print(f"pp {PP}, 1F1B, m {M}, seq {SEQ}, bf16, analytical H100, {MEMORY_LIMIT >> 30} GiB; "
           f"step/perfect = simulated step / ((m + p - 1) * sum(F+B) / p); 'free links' "
           f"simulates with no p2p cost")
-    print(f"{'model':<12} {'split':<18} {'step/perfect':>13} {'free links':>11}  blocks/stage")
+    print(f"{'model':<12} {'split':<22} {'step/perfect':>13} {'free links':>11}  blocks/stage")
     failures = []
     for case in CASES:
         for split in SPLITS:
             for name, ratio, free, sizes in plan_rows(case, split):
-                print(f"{case.name:<12} {name:<18} {ratio:>13.3f} {free:>11.3f}  "
+                print(f"{case.name:<12} {name:<22} {ratio:>13.3f} {free:>11.3f}  "
                       f"{sizes or ''}")
         if case.target is not None and ratio > case.target + 1e-9:
             failures.append(f"{case.name}: {ratio:.3f} > {case.target}")

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             console = Console(width=160)
         console.print(summary_table(profile))
         for note in profile.model.notes:
-            console.print(f"note: {note}", soft_wrap=True, highlight=False)
+            console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
         _print_machine_check(profile, console)
         _print_noise(profile, console)
     Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
