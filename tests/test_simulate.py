@@ -23,7 +23,7 @@ from autopart.simulate import (
     write_trace,
 )
 from autopart.simulate.compiled import compile_action
-from autopart.simulate.engine import run_compiled
+from autopart.simulate.engine import run_compiled, simulate_batch
 
 NO_LATENCY = TrainingSetup(pp_size=1, num_microbatches=1, link_latency_ms=0.0,
                            link_bandwidth_bytes_per_s=1e9)
@@ -149,6 +149,29 @@ def test_max_in_flight_multi_stage_schedules() -> None:
     assert max_in_flight("looped-bfs", 4, 2, 8) == [8] * 8
     assert max_in_flight("zbv", 4, 2, 8) == [8, 7, 6, 5, 4, 3, 2, 1]
     assert max_in_flight("dualpipev", 4, 2, 8) == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+def test_1f1b_waits_on_its_batched_sends() -> None:
+    """pp 2, m 2, F 1 ms, B 1 ms, 1 ms per transfer, by hand.
+
+    Rank 0: F0 [0,1] (send async), F1 [1,2], its send (batched with B0's receive) on
+    the link [2,3], so rank 0 waits until 3. Rank 1: F0 [2,3], B0 [3,4], its send
+    (batched with F1's receive) [4,5]: rank 1 waits, F1 [5,6], B1 [6,7], send [7,8]
+    (cool-down, async). Rank 0: B0 [5,6], B1 [8,9]. Async sends would give 8.
+    """
+    costs = [stage(fwd=1.0, bwd_input=1.0, bwd_weight=0.0, output_bytes=1_000_000),
+             stage(fwd=1.0, bwd_input=1.0, bwd_weight=0.0)]
+    res = simulate(costs, schedule="1f1b", pp_size=2, virtual_stages=1, num_microbatches=2,
+                   setup=NO_LATENCY)
+    assert res.step_ms == 9.0
+    starts = {(e.rank, e.kind, e.microbatch_idx): e.start_ms for e in res.events
+              if e.kind != "SEND"}
+    assert starts[(1, "F", 1)] == 5.0 and starts[(0, "B", 1)] == 8.0
+    assert simulate_batch([costs], schedule="1f1b", pp_size=2, virtual_stages=1,
+                          num_microbatches=2, setup=NO_LATENCY)[0].step_ms == 9.0
+    gpipe = simulate(costs, schedule="gpipe", pp_size=2, virtual_stages=1,
+                     num_microbatches=2, setup=NO_LATENCY)
+    assert gpipe.step_ms < 9.0  # GPipe's sends stay asynchronous
 
 
 def test_peak_memory_1f1b() -> None:

@@ -31,7 +31,8 @@ def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
 
     ``deps`` must be available before the action starts; ``local_outs`` become
     available when it ends; ``send_code`` (or -1) is sent to ``dst_rank`` when the
-    action's group ends (``flush``). Cached.
+    action's group ends (``flush``; 2: the rank then waits until its sends end, as
+    1F1B's batched send/receive does). Cached.
     """
     style = schedule_info(schedule).style
     num_stages = pp_size * virtual_stages
@@ -46,8 +47,29 @@ def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
             if len(parts) > 1:
                 parts = _merge_group(parts)
             row.extend(parts)
+        if schedule == "1f1b":
+            row = _blocking_sends_1f1b(row, min(num_microbatches, pp_size - rank))
         rows.append(tuple(row))
     return tuple(rows)
+
+
+def _blocking_sends_1f1b(row: list[tuple], num_warmup: int) -> list[tuple]:
+    """Mark (``flush = 2``) the sends the rank waits for before its next action.
+
+    torch 2.13's ``Schedule1F1B`` batches the last warm-up forward's send and every
+    steady-state forward's send with the next backward's gradient receive, and every
+    steady-state backward's send with the next forward's receive, then waits on the
+    batch: those transfers do not overlap the rank's compute. The other warm-up and
+    the cool-down sends are waited on only after the next action, like async sends.
+    """
+    out = []
+    for i, entry in enumerate(row):
+        kind, mb, send = entry[0], entry[2], entry[5]
+        follows_f = i + 1 < len(row) and row[i + 1][0] == 0
+        if send >= 0 and ((kind == 0 and mb >= num_warmup - 1) or (kind == 1 and follows_f)):
+            entry = (*entry[:8], 2)
+        out.append(entry)
+    return out
 
 
 def compile_action(kind: str, s: int, mb: int, rank: int, rank_of: list[int], m: int

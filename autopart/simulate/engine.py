@@ -13,6 +13,8 @@ action starts when its rank is free and its input has arrived:
   sends of a torch action that the order expands into several parts (a full
   backward ``B W`` in a split schedule, DualPipeV's overlapped ``F B W``) leave when
   its last part ends, as torch's runtime issues them after the whole action.
+  Under 1F1B the rank also waits for a steady-state send to end before its next
+  action (torch batches it with the next receive and waits on the batch).
 
 Memory per rank (DESIGN.md, ``autopart.cost``): static bytes of its stages + torch's
 receive buffers (``cost.recv_buffer_bytes``: an activation and a gradient buffer per
@@ -279,8 +281,10 @@ def run_compiled(plan, durations, comms, num_stages: int, m: int,
                 if send >= 0:
                     pending[rank].append((send, table, s, mb, dst))
                 if flush and pending[rank]:
-                    _flush(pending[rank], rank, t, comms, link_free, avail, waiting, stack,
-                           sends)
+                    sent = _flush(pending[rank], rank, t, comms, link_free, avail, waiting,
+                                  stack, sends)
+                    if flush == 2:  # the rank waits for its sends (1F1B's batched p2p)
+                        t = max(t, sent)
                 i += 1
                 continue
             break
@@ -292,8 +296,11 @@ def run_compiled(plan, durations, comms, num_stages: int, m: int,
 
 
 def _flush(pending: list[tuple], rank: int, t: float, comms, link_free, avail, waiting,
-           stack: list[int], sends: list[tuple]) -> None:
-    """Issue a group's sends at ``t``; each directed link carries one transfer at a time."""
+           stack: list[int], sends: list[tuple]) -> float:
+    """Issue a group's sends at ``t``; each directed link carries one transfer at a time.
+
+    Returns when the last of them ends."""
+    last = t
     for code, table, s, mb, dst in pending:
         link = (rank, dst)
         start = max(t, link_free.get(link, 0.0))
@@ -301,9 +308,11 @@ def _flush(pending: list[tuple], rank: int, t: float, comms, link_free, avail, w
         link_free[link] = end
         sends.append((rank, s, mb, "SEND", start, end))
         avail[code] = end
+        last = max(last, end)
         if code in waiting:
             stack.append(waiting.pop(code))
     pending.clear()
+    return last
 
 
 def _assert_finished(plan, pos: list[int], waiting: dict[int, int], num_stages: int,

@@ -3,8 +3,9 @@
 An order fixes every dependency, so one step is a DAG whose nodes are the compute
 actions and the sends, each with at most two predecessors:
 
-- compute action: the previous action of its rank, and the action or send that
-  delivers its input; ``end = max(end[pred_1], end[pred_2]) + duration``;
+- compute action: the previous action of its rank (or that action's send, when
+  the rank waits for it: 1F1B's batched send/receive), and the action or send
+  that delivers its input; ``end = max(end[pred_1], end[pred_2]) + duration``;
 - send: the action whose group issues it, and the previous send on the same
   directed link (a link carries one transfer at a time, in issue order);
   ``end = max(...) + transfer time``.
@@ -157,6 +158,8 @@ def _nodes(plan, num_stages: int) -> tuple[list[int], ...]:
                     rank_of.append(-1)
                     link_last[(rank, target)] = sent
                     producer[code] = sent
+                    if flush == 2:  # the rank's next action waits for this send
+                        prev = sent
                 pending = []
     # Second predecessors: a code's producer (-1: none -> the source), or -2 - link pred.
     pred2 = [0 if c == -1 else (-2 - c if c <= -2 else producer[c]) for c in code_dep]
