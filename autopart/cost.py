@@ -233,13 +233,14 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     sl = slice(first, last + 1)
     fwd = float(arrays.prefix_fwd[last + 1] - arrays.prefix_fwd[first])
     bwd_in = float(arrays.prefix_bwd_input[last + 1] - arrays.prefix_bwd_input[first])
-    transient = int(arrays.transient_bytes[sl].max())
+    transient = _stage_workspace(arrays, first, last)
     input_bytes = int(arrays.output_bytes[first - 1]) if first > 0 else 0
     if recompute:
         bwd_in += float(arrays.prefix_recompute_fwd[last + 1]
                         - arrays.prefix_recompute_fwd[first])
         act = int(arrays.prefix_kept[last + 1] - arrays.prefix_kept[first])
         rebuilt = arrays.activation_bytes[sl][arrays.checkpointed[sl]]
+        transient = int(arrays.transient_bytes[sl].max())
         transient += int(rebuilt.max()) if len(rebuilt) else 0
         first_keeps = input_bytes if arrays.checkpointed[first] else arrays.activation_bytes[first]
     else:
@@ -270,6 +271,22 @@ def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,
         return 0.0, 0.0
     p2p = overhead.p2p_ms * (int(receives) + int(sends))
     return overhead.fwd_action_ms + p2p, overhead.bwd_action_ms + p2p
+
+
+def _stage_workspace(arrays: BlockArrays, first: int, last: int) -> int:
+    """Bytes above the stage's held activations at its peak: ``max_j (transient_j -
+    activations of the stage's blocks after j)``, at least 0.
+
+    Block ``j`` runs (forward, or backward) while the blocks before it hold their
+    activations and the blocks after it do not (not yet, or no longer), so its
+    workspace coincides with only part of the stage's activations. The embedding's
+    gradient (as large as its weight, accumulated per microbatch) thus hides under
+    the layers' activations that are not alive while it runs.
+    """
+    work = arrays.transient_bytes[first:last + 1]
+    held_after = (arrays.prefix_activation[last + 1]
+                  - arrays.prefix_activation[first + 1:last + 2])
+    return max(int((work - held_after).max()), 0)
 
 
 def stage_costs_of_plan(plan: Plan) -> list[StageCost]:

@@ -9,6 +9,8 @@ and recomputation of the layers only.
 
 from __future__ import annotations
 
+import dataclasses
+
 from autopart.cost import block_arrays, checkpointed, stage_cost
 from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
 from autopart.simulate import simulate
@@ -76,3 +78,14 @@ def test_recompute_checkpoints_layers_only():
     assert cost.activation_bytes == 100 + 300 + 64 - 100
     assert cost.bwd_input_ms == 2.0 + 1.0
     assert cost.transient_bytes == 500 + 400
+
+
+def test_workspace_coincides_with_the_blocks_before_it():
+    """A 1000-byte workspace in the embedding runs before (F) or after (B) l0 holds
+    its 400: the stage needs 1000 - 400 = 600 on top of its activations, not 1000."""
+    profile = _llm()
+    emb = dataclasses.replace(profile.blocks[0], transient_bytes=1000)
+    profile = dataclasses.replace(profile, blocks=(emb, *profile.blocks[1:]))
+    arrays = block_arrays(profile, SETUP)
+    assert stage_cost(arrays, 0, 1).transient_bytes == max(1000 - 400, 60)
+    assert stage_cost(arrays, 1, 1).transient_bytes == 60
