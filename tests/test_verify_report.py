@@ -72,12 +72,13 @@ def test_report_medians_and_prediction(plan, report):
     b0, b1, send = 2 * f0, 2 * f1, 0.01 + 2**20 / 50e9 * 1e3
     assert [t for s in plan.stages for t in (s.fwd_ms, s.bwd_ms)] == pytest.approx(
         [f0, b0, f1, b1])
-    # 1F1B, pp 2, m 4. Rank 0: F F, then waits for microbatch 0's gradient (send, F1 B1,
-    # send), then B F B F; microbatch 3 goes on through rank 1 (send, F1 B1, send), then
-    # rank 0's last B.
-    critical_path = (f0 + send + f1 + b1 + send + b0 + f0 + b0 + f0
+    # 1F1B, pp 2, m 4; a rank waits for its steady-state sends (torch batches each with
+    # the next receive). Rank 0: F F, then waits for microbatch 0's gradient (send, F1
+    # B1, send), then B F, waits for F2's send, B F, waits for F3's send; microbatch 3
+    # goes on through rank 1 (F1 B1, send), then rank 0's last B.
+    critical_path = (f0 + send + f1 + b1 + send + b0 + f0 + send + b0 + f0
                      + send + f1 + b1 + send + b0)
-    assert report.predicted_step_ms == pytest.approx(critical_path)  # 61.02 ms + 4 sends
+    assert report.predicted_step_ms == pytest.approx(critical_path)  # 61.02 ms + 5 sends
     assert report.measured_step_ms == pytest.approx((100.0 + 111.0) / 2)
     for stage, scale in zip(report.stages, (2.0, 3.0)):
         planned = plan.stages[stage.index]
