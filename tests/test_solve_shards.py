@@ -22,7 +22,7 @@ def _splittable(num_layers: int = 4, head_ms: float = 6.0, rows: int = 1000):
 
 def test_shards_share_the_head_cost_by_vocabulary_fraction():
     """4 shards of 1000 rows: 250 each, so F = head F / 4; the carry crosses every cut but
-    the last (hidden + 3 float32 per position), the last shard outputs the head's output."""
+    the last (hidden + 2 float32 per position), the last shard outputs the head's output."""
     profile = _splittable()
     head, norm = profile.blocks[-1], profile.blocks[-2]
     split = split_head(profile, 4)
@@ -30,7 +30,7 @@ def test_shards_share_the_head_cost_by_vocabulary_fraction():
     assert [b.name for b in shards] == [f"lm_head.shard{i}of4" for i in range(4)]
     assert all(b.fwd_ms == pytest.approx(head.fwd_ms / 4) for b in shards)
     assert sum(b.bwd_weight_ms for b in shards) == pytest.approx(head.bwd_weight_ms)
-    carry = 3 * 4 * profile.setup.micro_batch_size * (profile.setup.seq_len - 1)
+    carry = 2 * 4 * profile.setup.micro_batch_size * (profile.setup.seq_len - 1)
     assert [b.output_bytes for b in shards] == [norm.output_bytes + carry] * 3 + [4]
     assert sum(b.num_params for b in shards) == head.num_params
     assert split.blocks[:-4] == profile.blocks[:-1]

@@ -5,8 +5,9 @@ split into ``k`` **shard blocks** that run on consecutive stages. Shard ``i`` of
 ``k`` is named ``<head>.shard<i>of<k>`` (``lm_head.shard1of4``) and covers the
 vocabulary rows ``[i * V // k, (i + 1) * V // k)`` of the head's weight. A stage
 holding shards computes only its rows' logits and passes on the final hidden state
-with three running values per token (max logit, sum of exponentials, target
-logit): ``autopart.runtime.head_shards`` holds that arithmetic. Shard names are
+with two running values per token (the log-sum-exp of the logits so far, shifted
+by their maximum, and the target logit): ``autopart.runtime.head_shards`` holds
+that arithmetic. Shard names are
 what plans list in ``stages[].modules`` and ``pipeline_cuts``, and what
 ``autopart plan --cuts`` accepts.
 """

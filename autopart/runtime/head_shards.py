@@ -2,18 +2,22 @@
 
 For every position ``p`` the loss is ``logsumexp(z_p) - z_p[y_p]`` with ``z_p`` the
 logits and ``y_p`` the next token. A stage holding the head's rows ``[lo, hi)``
-computes ``z_p[lo:hi]`` only and updates three values per position, carried from
+computes ``z_p[lo:hi]`` only and updates two values per position, carried from
 stage to stage as ordinary tensors (so autograd carries the gradients back):
 
-* ``max``: the running maximum logit,
-* ``sumexp``: the sum of ``exp(z - max)`` over the rows seen so far, rescaled
-  whenever the maximum grows (the online softmax of Milakov and Gimelshein, 2018),
+* ``lse``: the running log-sum-exp of the rows seen so far; each slice's own
+  log-sum-exp (from ``log_softmax``, which shifts by the slice's maximum) joins it
+  with ``torch.logaddexp``, which again shifts by the larger of the two (the online
+  softmax of Milakov and Gimelshein, 2018, with the running maximum folded in);
 * ``target``: the target logit, added by the slice that holds the target row.
 
-After the last slice ``max + log(sumexp) - target`` is the token loss; positions
-labelled -100 count nothing, as in ``F.cross_entropy(ignore_index=-100)``. The
-head weight is not sliced in memory: each stage indexes its rows of the whole
-weight, and the weight's gradient is summed over the ranks holding it.
+After the last slice ``lse - target`` is the token loss; positions labelled -100
+count nothing, as in ``F.cross_entropy(ignore_index=-100)``. A slice's backward is
+written out (``_SliceLoss``): the softmax of its logits (``exp`` of the saved
+``log_softmax``) times the incoming gradient of ``lse``, plus that of ``target``
+at the target row, in one buffer, as cross entropy's own backward does. The head
+weight is not sliced in memory: each stage indexes its rows of the whole weight,
+and the weight's gradient is summed over the ranks holding it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,34 @@ from autopart.intake.hf import IGNORE_INDEX
 
 __all__ = ["HeadCarry", "shard_carry", "summed_loss", "token_losses"]
 
-HeadCarry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""``(max, sumexp, target)``, each float32 of shape ``[batch, seq - 1]``."""
+HeadCarry = tuple[torch.Tensor, torch.Tensor]
+"""``(lse, target)``, each float32 of shape ``[batch, seq - 1]``."""
+
+
+class _SliceLoss(torch.autograd.Function):
+    """``(logsumexp(logits), logits[target] or 0)`` per position, with a fused backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, inside: torch.Tensor):
+        # log_softmax is one fused kernel (cross entropy's own); lse = z - log_softmax(z)
+        logp = torch.log_softmax(logits, dim=-1)
+        lse = logits[..., 0] - logp[..., 0]
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(logp, index, inside)
+        return lse, torch.where(inside, picked, torch.zeros_like(picked))
+
+    @staticmethod
+    def backward(ctx, grad_lse: torch.Tensor | None, grad_picked: torch.Tensor | None):
+        logp, index, inside = ctx.saved_tensors
+        grad = torch.exp(logp)  # the softmax
+        if grad_lse is None:
+            grad.zero_()
+        else:
+            grad.mul_(grad_lse.unsqueeze(-1))
+        if grad_picked is not None:
+            at_target = torch.where(inside, grad_picked, torch.zeros_like(grad_picked))
+            grad.scatter_add_(-1, index.unsqueeze(-1), at_target.unsqueeze(-1))
+        return grad, None, None
 
 
 def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -50,23 +80,17 @@ def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     logits = F.linear(hidden[..., :-1, :], weight[lo:hi], part_bias).float()
     targets = labels[..., 1:].to(logits.device) - lo
     inside = (targets >= 0) & (targets < hi - lo)
-    picked = logits.gather(-1, targets.clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(inside, picked, torch.zeros_like(picked))
-    local_max = logits.amax(dim=-1)
+    lse, picked = _SliceLoss.apply(logits, targets.clamp(0, hi - lo - 1), inside)
     if carry is None:
-        sumexp = torch.exp(logits - local_max.unsqueeze(-1)).sum(-1)
-        return local_max, sumexp, picked
-    run_max, run_sum, run_target = carry
-    new_max = torch.maximum(run_max, local_max)
-    sumexp = (run_sum * torch.exp(run_max - new_max)
-              + torch.exp(logits - new_max.unsqueeze(-1)).sum(-1))
-    return new_max, sumexp, run_target + picked
+        return lse, picked
+    run_lse, run_target = carry
+    return torch.logaddexp(run_lse, lse), run_target + picked
 
 
 def token_losses(carry: HeadCarry) -> torch.Tensor:
-    """Per-position losses ``max + log(sumexp) - target`` after the last slice."""
-    run_max, run_sum, run_target = carry
-    return run_max + torch.log(run_sum) - run_target
+    """Per-position losses ``lse - target`` after the last slice."""
+    run_lse, run_target = carry
+    return run_lse - run_target
 
 
 def summed_loss(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ class TokenMeanLoss:
 class HeadShardLoss(TokenMeanLoss):
     """``TokenMeanLoss`` when the head is split: the last stage outputs per-position losses.
 
-    The last shard stage returns ``max + log(sumexp) - target`` per position
+    The last shard stage returns ``lse - target`` per position
     (``autopart.runtime.head_shards``); this sums the positions that count and
     divides by the whole batch's token count, as ``TokenMeanLoss`` does.
     """

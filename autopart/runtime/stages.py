@@ -16,7 +16,7 @@ FQNs and runs the **model's own forward** for every microbatch, with
 
 A stage holding vocabulary shards of the head (``lm_head.shard1of4``, see
 ``autopart.intake.head_split``) computes its rows' logits at the head call and
-sends the head's input on with the running (max, sum-exp, target) values
+sends the head's input on with the running (log-sum-exp, target logit) values
 (``autopart.runtime.head_shards``); a stage that starts inside the head skips the
 model's forward; the last shard stage returns per-position losses.
 
@@ -119,7 +119,7 @@ class ForwardStage(Tree):
                     else contextlib.nullcontext())
         if self._shards is not None and self._shards[3]:  # the stage starts inside the head
             with autocast:
-                return self._head_step(args[0], labels, tuple(args[1:4]))
+                return self._head_step(args[0], labels, tuple(args[1:3]))
         recompute = bool(self._checkpointed) and self.training and torch.is_grad_enabled()
         swaps = Substitute()
 

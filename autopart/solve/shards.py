@@ -6,7 +6,7 @@ At ``auto`` (or ``sublayer``) granularity a profile whose head can be split
 ordinary blocks. Their costs are **derived**, not measured: the head's F, B, W,
 activation and workspace times the shard's vocabulary fraction (the head is its
 vocabulary matmul and the loss over the logits, both linear in the rows), plus the
-carry a shard sends on (the hidden state and three float32 values per position).
+carry a shard sends on (the hidden state and two float32 values per position).
 Parameters are divided by the same fraction, so the shards together count the
 head's weight once; the runtime, though, holds the whole head weight on every rank
 with a shard (it indexes its rows), so such a rank needs up to the head's
@@ -35,7 +35,7 @@ __all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "split_head
 
 GRANULARITY_CHOICES = ("auto", "layer", "sublayer")
 _MAX_SHARDS = 32
-_CARRY_VALUES = 3  # running max, sum of exponentials, target logit
+_CARRY_VALUES = 2  # running log-sum-exp, target logit
 _UNIT_KINDS = ("decoder_layer", "attention", "mlp")
 
 
