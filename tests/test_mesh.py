@@ -174,3 +174,15 @@ def test_analytical_shard_of_tiny_llama_has_the_same_blocks_and_fewer_params():
     assert shard_layer.fwd_ms < layer.fwd_ms
     measured = dataclasses.replace(whole, setup=dataclasses.replace(whole.setup, backend="cpu"))
     assert profile_tp_shard(measured, 2) is None
+
+
+def test_zero1_sync_is_a_reduce_scatter_of_grads_and_an_all_gather_of_params():
+    """pp 1, dp 2, ZeRO-1, bf16 params with fp32 grads: half an all-reduce of the 4-byte
+    gradients plus half an all-reduce of the 2-byte parameters."""
+    profile = llama_like(2)
+    result = plan_mesh(profile, devices=2, spec=_spec(), tp=1, pp=1, dp=2, num_microbatches=2,
+                       zero_stage=1, precision="bf16-mixed", refine_evals=0, solver="dp")
+    n = profile.model.num_params
+    want = ring_all_gather_ms(4 * n, 2, 1e9, 0.01) + ring_all_gather_ms(2 * n, 2, 1e9, 0.01)
+    assert result.plan.grad_sync_ms == pytest.approx(want)
+    assert result.plan.zero_stage == 1 and result.plan.setup.zero_stage == 1

@@ -1,6 +1,7 @@
 """Solve phase: exact DP, ILP, public baselines, and the plan search.
 
-``make_plan(profile, pp_size=...)`` is the entry point. ``solve_dp``, ``solve_ilp``
+``make_plan(profile, pp_size=...)`` is the entry point; ``plan_mesh(profile, devices=...)``
+searches the tp x pp x dp mesh around it. ``solve_dp``, ``solve_ilp``
 and ``baseline_split`` are public for tools and benchmarks that want one piece;
 ``PARTITIONS`` and ``SOLVERS`` are the values ``make_plan`` accepts.
 """
@@ -8,7 +9,9 @@ and ``baseline_split`` are public for tools and benchmarks that want one piece;
 from autopart.solve.baselines import baseline_split
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
+from autopart.solve.mesh import plan_mesh
 from autopart.solve.search import PARTITIONS, SOLVERS, make_plan
 
 # Public entry points of the solve phase; everything else is internal.
-__all__ = ["PARTITIONS", "SOLVERS", "baseline_split", "make_plan", "solve_dp", "solve_ilp"]
+__all__ = ["PARTITIONS", "SOLVERS", "baseline_split", "make_plan", "plan_mesh", "solve_dp",
+           "solve_ilp"]

@@ -10,9 +10,10 @@ Rank order is (pp, dp, tp), tp fastest (the runtime's DeviceMesh): a dp group sp
 ``tp * dp`` consecutive devices and stays in one node when that is at most the node size.
 
 Data parallelism adds the gradient ring all-reduce of each pipeline rank's gradients
-(ZeRO-1: a reduce-scatter of the gradients and an all-gather of the parameters, the
-same volume). It overlaps the pipeline drain: rank r starts when its own last backward
-ends, so only what runs past the pipeline's end adds to the step.
+(ZeRO-1: a reduce-scatter of the gradients and an all-gather of the updated parameters,
+each half an all-reduce of its dtype). It overlaps the pipeline drain: rank r starts
+when its own last backward ends, so only what runs past the pipeline's end adds to the
+step. Bucketed overlap with earlier backwards is not modelled (an upper bound).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopart.errors import InfeasibleError, PlanError
-from autopart.mesh_cost import ring_all_reduce_ms, shard_profile, tp_comm_ms_per_block
+from autopart.mesh_cost import (
+    ring_all_gather_ms,
+    ring_all_reduce_ms,
+    shard_profile,
+    tp_comm_ms_per_block,
+)
 from autopart.profile.devices import DeviceSpec
 from autopart.schema import DTYPE_BYTES, Plan, Profile
 from autopart.simulate import simulate_plan
@@ -229,13 +235,19 @@ def _grad_sync_ms(plan: Plan, dp: int, bandwidth: float, latency_ms: float) -> f
         return 0.0
     result = simulate_plan(plan)
     grad_bytes = DTYPE_BYTES[plan.setup.grad_dtype]
+    param_bytes = DTYPE_BYTES[plan.setup.param_dtype]
     end = result.step_ms
     for rank in range(plan.pp_size):
         last_bwd = max((e.end_ms for e in result.events
                         if e.rank == rank and e.kind not in ("F", "SEND")), default=0.0)
         num_params = sum(s.param_count for s in plan.stages_of_rank(rank))
-        end = max(end, last_bwd + ring_all_reduce_ms(num_params * grad_bytes, dp, bandwidth,
-                                                     latency_ms))
+        if plan.setup.zero_stage == 1:
+            # ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters.
+            sync = (ring_all_gather_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
+                    + ring_all_gather_ms(num_params * param_bytes, dp, bandwidth, latency_ms))
+        else:
+            sync = ring_all_reduce_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
+        end = max(end, last_bwd + sync)
     return end - result.step_ms
 
 
