@@ -36,14 +36,16 @@ GLOBAL_BATCH = 1024
 SEQ_LEN = 4096
 SETTINGS = {"precision": "bf16-mixed", "optimizer": "adam", "zero_stage": 1}
 
-# (preset, device, devices, heads, layers, NeMo grid: tp, pp range, min/max model parallel)
+# (preset, device, devices, heads, layers, NeMo grid: tp, pp range, min/max model parallel,
+#  a named recipe: (label, tp, pp) or None)
 CASES = (
     # trn1 has 16 GiB per core: GPT3GridSearch.init_params has branches for 80 and 40 GB
     # only, so the class defaults apply: tp [1, 2, 4, 8], pp [1], model parallel 1..8.
-    ("gemma-7b", "trn1", 32, 16, 28, (1, 2, 4, 8), (1, 1), (1, 8)),
+    ("gemma-7b", "trn1", 32, 16, 28, (1, 2, 4, 8), (1, 1), (1, 8),
+     ("NxD user's TP 8 x PP 4 (the issue)", 8, 4)),
     # 80 GB, seq 4096, 45 < size <= 95 B: tp [4, 8], pp in 1..8 dividing the layers,
     # model parallel 8..64, gbs 1024.
-    ("llama-3-70b", "h100", 64, 64, 80, (4, 8), (1, 8), (8, 64)),
+    ("llama-3-70b", "h100", 64, 64, 80, (4, 8), (1, 8), (8, 64), None),
 )
 
 
@@ -62,10 +64,14 @@ def nemo_grid(devices: int, heads: int, layers: int, tps: tuple[int, ...],
     return out
 
 
-def recipe(profile, spec, devices, tp, pp, layers, shard_of) -> MeshCandidate | None:
-    """One fixed mesh with a framework's even split and schedule, micro-batch 1."""
+def recipe(profile, spec, devices, tp, pp, layers, shard_of,
+           nemo: bool = False) -> MeshCandidate | None:
+    """One fixed mesh with a framework's even split, micro-batch 1, and 1F1B (NeMo's grid:
+    interleaved 1F1B with v = layers / pp when pp > 2)."""
     dp = devices // (tp * pp)
-    schedule, virtual = ("interleaved-1f1b", layers // pp) if pp > 2 else ("1f1b", 1)
+    schedule, virtual = ("1f1b", 1)
+    if nemo and pp > 2:
+        schedule, virtual = "interleaved-1f1b", layers // pp
     try:
         result = plan_mesh(profile, devices=devices, spec=spec, tp=tp, pp=pp, dp=dp,
                            num_microbatches=GLOBAL_BATCH // dp, partition="even",
@@ -87,7 +93,7 @@ def row(name: str, cand: MeshCandidate | None, best_ms: float, extra: str = "") 
             f"{cand.peak_memory_bytes / 2**30:>7.2f} GiB  {sched} {extra}")
 
 
-def run_case(preset, device, devices, heads, layers, tps, pp_range, mp_range) -> None:
+def run_case(preset, device, devices, heads, layers, tps, pp_range, mp_range, named) -> None:
     """Profile, plan the mesh, and print it beside the recipes."""
     spec = load_device_spec(device)
     profile = profile_model(preset, backend=f"analytical:{device}", seq_len=SEQ_LEN,
@@ -115,8 +121,12 @@ def run_case(preset, device, devices, heads, layers, tps, pp_range, mp_range) ->
                         if (c.tp_size, c.pp_size) == (8, pp))
             print(row("  autopart on that mesh", same if same.fits else None, best.step_ms))
             break
+    if named is not None:
+        label, tp, pp = named
+        print(row(label, recipe(profile, spec, devices, tp, pp, layers, shard_of),
+                  best.step_ms, "even split"))
     grid = nemo_grid(devices, heads, layers, tps, pp_range, mp_range)
-    points = [(tp, pp, recipe(profile, spec, devices, tp, pp, layers, shard_of))
+    points = [(tp, pp, recipe(profile, spec, devices, tp, pp, layers, shard_of, nemo=True))
               for tp, pp in grid]
     fitting = [c for _, _, c in points if c is not None]
     print(f"  NeMo AutoConfigurator grid: {len(grid)} (tp, pp) points "

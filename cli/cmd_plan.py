@@ -49,9 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --devices: 1 shards optimizer state across dp (ZeRO-1)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-size", type=int, default=None, metavar="B",
-                       help="samples per step (per data-parallel replica without "
-                            "--devices, over all replicas with it); m is searched among "
-                            "the divisors")
+                       help="samples per step. Without --devices: per data-parallel "
+                            "replica, m searched among its divisors; with --devices: over "
+                            "all replicas, m = B / (dp x the profile's micro-batch size)")
     batch.add_argument("--microbatches", type=int, default=None, metavar="M",
                        help="fix the number of microbatches (default: 4 x pp)")
     p.add_argument("--memory-limit", default=None, metavar="SIZE",

@@ -79,7 +79,8 @@ def test_mesh_sizes_keep_tp_within_a_node():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tp": 3}, "--tp 3 does not divide --devices 16"),
     ({"tp": 16}, r"--tp 16 is larger than a node \(8 devices\)"),
-    ({"dp": 4, "global_batch_size": 6}, "--global-batch-size 6 is not divisible by --dp 4"),
+    ({"dp": 4, "global_batch_size": 6},
+     "--global-batch-size 6 is not divisible by --dp 4 x micro-batch size 1"),
     ({"pp": 16}, "no tp x pp x dp mesh of 16 devices"),
 ])
 def test_bad_meshes_are_refused(kwargs, message):

@@ -4,7 +4,8 @@ For every mesh with ``tp`` dividing the node size and ``tp * pp * dp == devices`
 profile is sharded for TP (``autopart.mesh_cost.shard_profile``), the pipeline link is
 the intra-node one while the whole mesh fits in one node and the inter-node one
 otherwise, and ``make_plan`` searches schedule, v, m, cuts and recompute within memory
-as it does for ``--pp`` alone, with ``global_batch_size / dp`` samples per replica.
+as it does for ``--pp`` alone, with ``global_batch_size / (dp * micro_batch_size)``
+microbatches per replica (the profile's micro-batch size).
 
 Rank order is (pp, dp, tp), tp fastest (the runtime's DeviceMesh): a dp group spans
 ``tp * dp`` consecutive devices and stays in one node when that is at most the node size.
@@ -76,7 +77,8 @@ class MeshResult:
 
 def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
                dp: int | str = "auto", num_blocks: int,
-               global_batch_size: int | None = None) -> list[tuple[int, int, int]]:
+               global_batch_size: int | None = None,
+               micro_batch_size: int = 1) -> list[tuple[int, int, int]]:
     """Every (tp, pp, dp) with tp dividing the node, tp * pp * dp == devices.
 
     Args:
@@ -86,7 +88,8 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
         pp: Pipeline size or ``"auto"`` (at most ``num_blocks``).
         dp: Data-parallel size or ``"auto"``.
         num_blocks: Blocks in the profile.
-        global_batch_size: When given, dp must divide it.
+        global_batch_size: When given, dp x micro_batch_size must divide it.
+        micro_batch_size: Samples per microbatch.
 
     Returns:
         The meshes, by tp then pp.
@@ -105,9 +108,12 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
     if tp != "auto" and tp > node_size:
         raise PlanError(f"--tp {tp} is larger than a node ({node_size} devices); tensor "
                         f"parallelism stays within a node: use --tp {node_size} or less")
-    if dp != "auto" and global_batch_size is not None and global_batch_size % dp:
+    if dp != "auto" and global_batch_size is not None and \
+            global_batch_size % (dp * micro_batch_size):
+        step = dp * micro_batch_size
         raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by --dp "
-                        f"{dp}; choose a multiple of {dp}")
+                        f"{dp} x micro-batch size {micro_batch_size}; choose a multiple of "
+                        f"{step}")
     out = []
     for t in _divisors(devices):
         for p in _divisors(devices // t):
@@ -115,11 +121,12 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
             if node_size % t or p > num_blocks or any(
                     v != "auto" and v != x for v, x in ((tp, t), (pp, p), (dp, d))):
                 continue
-            if global_batch_size is not None and global_batch_size % d:
+            if global_batch_size is not None and global_batch_size % (d * micro_batch_size):
                 continue
             out.append((t, p, d))
     if not out:
-        batch = "" if global_batch_size is None else f", dp dividing {global_batch_size}"
+        batch = "" if global_batch_size is None else \
+            f", dp x {micro_batch_size} dividing {global_batch_size}"
         raise PlanError(f"no tp x pp x dp mesh of {devices} devices fits tp={tp}, pp={pp}, "
                         f"dp={dp} (tp within {node_size}, pp <= {num_blocks} blocks{batch}); "
                         f"change --devices or the fixed sizes")
@@ -143,8 +150,9 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
         pp: Pipeline size or ``"auto"``.
         dp: Data-parallel size or ``"auto"``.
         zero_stage: 1 shards the optimizer state across dp (ZeRO-1).
-        global_batch_size: Samples per step over all replicas; each replica gets
-            ``global_batch_size / dp`` and m is searched among its divisors.
+        global_batch_size: Samples per step over all replicas; each replica runs
+            ``global_batch_size / (dp * micro_batch_size)`` microbatches of the profile's
+            micro-batch size.
         num_microbatches: Fix m per replica instead.
         sequence_parallel: TP with sequence parallelism (activations all split).
         shard_of: ``shard_of(tp)`` gives a profile of one TP shard (e.g.
@@ -165,7 +173,8 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
         raise PlanError(f"profiles/devices.json has no intra_node / inter_node links for "
                         f"{spec.key!r}; add them with their source to plan a mesh")
     meshes = mesh_sizes(devices, spec.node_size, tp=tp, pp=pp, dp=dp,
-                        num_blocks=len(profile.blocks), global_batch_size=global_batch_size)
+                        num_blocks=len(profile.blocks), global_batch_size=global_batch_size,
+                        micro_batch_size=profile.setup.micro_batch_size)
     found = []
     shards: dict[int, Profile | None] = {}
     for done, (t, p, d) in enumerate(meshes, 1):
@@ -207,7 +216,7 @@ def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[
     if num_microbatches is not None:
         kwargs["num_microbatches"] = num_microbatches
     elif global_batch_size is not None:
-        kwargs["global_batch_size"] = global_batch_size // dp
+        kwargs["num_microbatches"] = global_batch_size // (dp * profile.setup.micro_batch_size)
     try:
         # a tensor-parallel head is sharded by vocabulary already: no head split on top
         plan = make_plan(sharded, pp_size=pp, **(kwargs if tp == 1 else
@@ -260,7 +269,10 @@ def _with_reason(cand: MeshCandidate, best: MeshCandidate) -> MeshCandidate:
                 "compute": c.step_ms - bubble - comm}
     mine, theirs = parts(cand), parts(best)
     name = max(mine, key=lambda k: mine[k] - theirs[k])
-    return dataclasses.replace(cand, lost_because=f"{name} +{mine[name] - theirs[name]:.1f} ms")
+    text = f"{name} +{mine[name] - theirs[name]:.1f} ms"
+    if name == "compute" and any(s.recompute for s in cand.plan.stages):
+        text += " (recompute to fit memory)"
+    return dataclasses.replace(cand, lost_because=text)
 
 
 def _memory_reason(cand: MeshCandidate) -> str:
