@@ -9,11 +9,15 @@ Models") on ``tp`` devices of one node:
 
 - parameters, gradients and optimizer state of embeddings, decoder layers and the
   head are split ``tp`` ways; norms are replicated;
-- compute per shard: from a profile of the shard itself where there is one (the
-  analytical backend on the config with heads, intermediate size and vocabulary / tp,
-  ``autopart.profile.tp_shard``); else the block's time / tp, divided by
-  ``TP_EFFICIENCY`` (GEMMs ``tp`` times narrower run below the full-size efficiency:
-  an assumption, not a measurement; ``autopart verify`` calibrates it away);
+- compute per shard: the block's time / tp, divided by ``TP_EFFICIENCY`` (GEMMs ``tp``
+  times narrower run below the full-size efficiency: an assumption, not a measurement;
+  ``autopart verify`` calibrates it away). Without sequence parallelism the norms and
+  residual adds run whole on every shard: there a profile of the shard itself is used
+  where there is one (the analytical backend on the config with heads, intermediate
+  size and vocabulary / tp, ``autopart.profile.tp_shard``). Under sequence parallelism
+  every op of a layer is split, and an analytical (roofline) shard is exactly 1 / tp of
+  the block, so the scaled figure is used; the shard profile still gives the exact
+  parameter count (key-value heads replicated when fewer than tp);
 - activations: with sequence parallelism everything a layer keeps is split; without,
   Korthikanti et al.'s per-layer count ``sbh (10 + 24 / tp)`` of ``sbh * 34`` is used
   (the layer-norm and dropout inputs stay whole);
@@ -111,9 +115,9 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
         sequence_parallel: Megatron's sequence parallelism (activations all split).
         shard: A profile of one shard itself (``autopart.profile.tp_shard``: the
             analytical backend on the config with heads, intermediate size and vocabulary
-            / tp), same blocks in the same order. Its compute times, parameters and
-            transient bytes replace the scaled ones, and without sequence parallelism its
-            activations too; ``None`` scales by ``1 / (tp * TP_EFFICIENCY)``.
+            / tp), same blocks in the same order. Its parameters and transient bytes
+            replace the scaled ones, and without sequence parallelism its compute times
+            and activations too; else times scale by ``1 / (tp * TP_EFFICIENCY)``.
 
     Returns:
         The same blocks (same names, same fingerprint) with times including the TP
@@ -131,23 +135,23 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
         share = act_share if block.kind in ("decoder_layer", "block") else 1 / tp
         if block.kind == "norm" and not sequence_parallel:
             share = 1.0
-        if shard is None:
-            blocks.append(_scaled(block, tp, share, comm_fwd, comm_bwd))
-            continue
-        activation = part.activation_bytes if not sequence_parallel else \
-            round(block.activation_bytes * share)
-        blocks.append(dataclasses.replace(
-            block, fwd_ms=part.fwd_ms + comm_fwd, bwd_input_ms=part.bwd_input_ms + comm_bwd,
-            bwd_weight_ms=part.bwd_weight_ms, bwd_ms=part.bwd_ms + comm_bwd,
-            num_params=part.num_params, param_bytes=part.param_bytes,
-            activation_bytes=activation, output_bytes=-(-block.output_bytes // tp),
-            transient_bytes=part.transient_bytes, measured=()))
-    if shard is None:
-        how = (f"block times / {tp} / {TP_EFFICIENCY} (shard efficiency, assumed), "
-               f"parameters / {tp} (norms whole)")
-    else:
-        how = ("block times and parameters of the shard's own analytical profile (heads, "
-               "intermediate size and vocabulary / tp; norms counted whole)")
+        out = _scaled(block, tp, share, comm_fwd, comm_bwd)
+        if shard is not None:
+            out = dataclasses.replace(out, num_params=part.num_params,
+                                      param_bytes=part.param_bytes,
+                                      transient_bytes=part.transient_bytes)
+        if shard is not None and not sequence_parallel:
+            out = dataclasses.replace(
+                out, fwd_ms=part.fwd_ms + comm_fwd, bwd_input_ms=part.bwd_input_ms + comm_bwd,
+                bwd_weight_ms=part.bwd_weight_ms, bwd_ms=part.bwd_ms + comm_bwd,
+                activation_bytes=part.activation_bytes)
+        blocks.append(out)
+    how = f"block times / {tp} / {TP_EFFICIENCY} (shard efficiency, assumed)"
+    if shard is not None and not sequence_parallel:
+        how = ("block times of the shard's own analytical profile (heads, intermediate size "
+               "and vocabulary / tp; norms and residual adds whole)")
+    how += ", parameters of the shard's own profile" if shard is not None else \
+        f", parameters / {tp} (norms whole)"
     acts = f"/ {tp}" if sequence_parallel else "as without sequence parallelism"
     note = (f"tensor parallel {tp}: {how}, plus ring all-reduces of the hidden state; "
             f"activations {acts}")

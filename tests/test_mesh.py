@@ -142,19 +142,21 @@ def test_shard_config_divides_heads_mlp_and_vocabulary():
         "num_key_value_heads": 1, "intermediate_size": 1792, "vocab_size": 8016}
 
 
-def test_a_shard_profile_replaces_the_scaled_times():
-    """Given the shard's own profile, its times plus the all-reduces are used, not 1 / tp."""
+def test_a_shard_profile_gives_params_and_without_sp_the_times():
+    """The shard's own profile gives the parameters; its times and activations replace the
+    scaled ones only without sequence parallelism (with it, every op is split by tp)."""
     whole = _two_layers()
     part = make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=0.7,
                                     num_params=400, activation_bytes=200,
                                     output_bytes=1_000_000) for i in range(2)])
-    sharded = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part)
-    assert sharded.blocks[0].fwd_ms == pytest.approx(0.7 + 2 * 1.02)
-    assert sharded.blocks[0].bwd_weight_ms == pytest.approx(0.7)
-    assert sharded.blocks[0].num_params == 400
-    assert sharded.blocks[0].activation_bytes == 170  # sequence parallel: whole / tp
+    sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part)
+    assert sp.blocks[0].fwd_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
+    assert sp.blocks[0].num_params == 400
+    assert sp.blocks[0].activation_bytes == 170  # sequence parallel: whole / tp
     no_sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part,
                           sequence_parallel=False)
+    assert no_sp.blocks[0].fwd_ms == pytest.approx(0.7 + 2 * 1.02)
+    assert no_sp.blocks[0].bwd_weight_ms == pytest.approx(0.7)
     assert no_sp.blocks[0].activation_bytes == 200
 
 

@@ -38,6 +38,11 @@ from autopart.solve.search import make_plan
 
 __all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
 
+_NUM_REFINED_MESHES = 5
+"""How many of the fastest meshes (after a scan without it) get the local search."""
+_REFINE_EVALS = 300
+"""``make_plan``'s default local-search budget per refined candidate."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeshCandidate:
@@ -175,20 +180,44 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
     meshes = mesh_sizes(devices, spec.node_size, tp=tp, pp=pp, dp=dp,
                         num_blocks=len(profile.blocks), global_batch_size=global_batch_size,
                         micro_batch_size=profile.setup.micro_batch_size)
-    found = []
-    shards: dict[int, Profile | None] = {}
-    for done, (t, p, d) in enumerate(meshes, 1):
+    shards: dict[int, Profile] = {}
+
+    def plan_one(mesh: tuple[int, int, int], refine_evals: int) -> MeshCandidate:
+        t = mesh[0]
         if t not in shards:
-            shards[t] = shard_of(t) if shard_of is not None and t > 1 else None
-        sharded = shard_profile(profile, t, sequence_parallel=sequence_parallel,
-                                bandwidth_bytes_per_s=spec.intra_node.bandwidth_bytes_per_s,
-                                latency_ms=spec.intra_node.latency_ms, shard=shards[t])
-        found.append(_plan_one(profile, sharded, spec, (t, p, d), zero_stage,
-                               global_batch_size, num_microbatches, plan_kwargs))
+            shard = shard_of(t) if shard_of is not None and t > 1 else None
+            shards[t] = shard_profile(
+                profile, t, sequence_parallel=sequence_parallel, shard=shard,
+                bandwidth_bytes_per_s=spec.intra_node.bandwidth_bytes_per_s,
+                latency_ms=spec.intra_node.latency_ms)
+        return _plan_one(profile, shards[t], spec, mesh, zero_stage, global_batch_size,
+                         num_microbatches, {**plan_kwargs, "refine_evals": refine_evals})
+
+    # Scan every mesh without the local search, then refine the best few: the local
+    # search simulates hundreds of splits, too many for every mesh of a large cluster.
+    refine_evals = plan_kwargs.pop("refine_evals", _REFINE_EVALS)
+    found = []
+    for done, mesh in enumerate(meshes, 1):
+        found.append(plan_one(mesh, 0))
         if progress is not None:
-            progress(done, len(meshes), f"tp={t} pp={p} dp={d}")
-    fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step_ms, c.tp_size,
-                                                                   c.pp_size))
+            progress(done, len(meshes) + 1, "tp={} pp={} dp={}".format(*mesh))
+    best_few = sorted((c for c in found if c.fits), key=_order)[:_NUM_REFINED_MESHES]
+    if refine_evals > 0:
+        for cand in best_few:
+            found[found.index(cand)] = plan_one((cand.tp_size, cand.pp_size, cand.dp_size),
+                                                refine_evals)
+    if progress is not None:
+        progress(len(meshes) + 1, len(meshes) + 1, "local search")
+    return _ranked(found, devices)
+
+
+def _order(cand: MeshCandidate) -> tuple:
+    return (cand.step_ms, cand.tp_size, cand.pp_size)
+
+
+def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
+    """The fastest fitting mesh first, then the others with why each lost."""
+    fitting = sorted((c for c in found if c.fits), key=_order)
     if not fitting:
         need = [c.needed_bytes for c in found if c.needed_bytes is not None]
         more = f"; the smallest needs {min(need)} bytes per device" if need else ""
