@@ -23,8 +23,9 @@ Models") on ``tp`` devices of one node:
   (the layer-norm and dropout inputs stay whole);
 - collectives per block over the intra-node link, all of the hidden-state size
   ``b * s * h``: a decoder layer does two all-reduces in the forward (after attention
-  and after the MLP) and two in the backward; the vocabulary-parallel embedding one in
-  the forward; the vocabulary-parallel head one each way. Sequence parallelism turns
+  and after the MLP) and two in the backward, each of its halves one each way; the
+  vocabulary-parallel embedding one in the forward; the vocabulary-parallel head one
+  each way. Sequence parallelism turns
   each all-reduce into a reduce-scatter plus an all-gather: the same ring time. They
   are not overlapped with compute (Megatron's default).
 """
@@ -41,10 +42,11 @@ __all__ = ["TP_COLLECTIVES", "TP_EFFICIENCY", "ring_all_gather_ms", "ring_all_re
 TP_EFFICIENCY = 0.9
 """Compute efficiency of a TP shard relative to the whole block (stated assumption)."""
 
-TP_COLLECTIVES = {"decoder_layer": (2, 2), "block": (2, 2), "embedding": (1, 0),
-                  "head": (1, 1), "norm": (0, 0)}
+TP_COLLECTIVES = {"decoder_layer": (2, 2), "block": (2, 2), "attention": (1, 1),
+                  "mlp": (1, 1), "embedding": (1, 0), "head": (1, 1), "norm": (0, 0)}
 """All-reduces of the hidden state per block kind: (forward, backward)."""
 
+_LAYER_KINDS = ("decoder_layer", "block", "attention", "mlp")
 _REPLICATED_ACTIVATION = 10 / 34
 """Share of a layer's saved activations that TP without sequence parallelism keeps whole."""
 
@@ -132,7 +134,7 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
     blocks = []
     shards = profile.blocks if shard is None else shard.blocks
     for block, part, (comm_fwd, comm_bwd) in zip(profile.blocks, shards, comm, strict=True):
-        share = act_share if block.kind in ("decoder_layer", "block") else 1 / tp
+        share = act_share if block.kind in _LAYER_KINDS else 1 / tp
         if block.kind == "norm" and not sequence_parallel:
             share = 1.0
         out = _scaled(block, tp, share, comm_fwd, comm_bwd)

@@ -11,6 +11,7 @@ from solve_helpers import llama_like, make_block, make_profile
 from autopart.cost import block_arrays, static_bytes_per_param
 from autopart.errors import PlanError
 from autopart.mesh_cost import (
+    TP_COLLECTIVES,
     TP_EFFICIENCY,
     ring_all_gather_ms,
     ring_all_reduce_ms,
@@ -19,7 +20,7 @@ from autopart.mesh_cost import (
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
 from autopart.profile.tp_shard import shard_config
-from autopart.schema import TrainingSetup
+from autopart.schema import BLOCK_KINDS, TrainingSetup
 from autopart.solve.mesh import mesh_sizes, plan_mesh
 from cli.main import main
 
@@ -28,6 +29,10 @@ def _two_layers():
     return make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=1.0,
                                     num_params=1000, activation_bytes=340,
                                     output_bytes=1_000_000) for i in range(2)])
+
+
+def test_every_block_kind_has_its_tp_collectives():
+    assert set(TP_COLLECTIVES) == set(BLOCK_KINDS)
 
 
 def test_ring_collectives_by_hand():
