@@ -36,11 +36,11 @@ def test_shards_share_the_head_cost_by_vocabulary_fraction():
     assert split.blocks[:-4] == profile.blocks[:-1]
 
 
-def test_num_shards_makes_a_shard_half_a_layer():
-    """head 6 ms F + 12 ms B against a 3 ms layer: ceil(2 * 18 / 3) = 12 shards."""
-    assert num_shards(_splittable(head_ms=6.0)) == 12
-    assert num_shards(_splittable(head_ms=0.5)) == 2  # at least two
-    assert num_shards(_splittable(head_ms=600.0)) == 32  # at most 32
+def test_num_shards_makes_a_shard_a_quarter_layer():
+    """head 6 ms F + 12 ms B against a 3 ms layer: ceil(4 * 18 / 3) = 24 shards."""
+    assert num_shards(_splittable(head_ms=6.0)) == 24
+    assert num_shards(_splittable(head_ms=0.2)) == 2  # at least two
+    assert num_shards(_splittable(head_ms=600.0)) == 64  # at most 64
 
 
 def test_granularity_layer_and_targets_keep_the_head_whole():
@@ -67,7 +67,7 @@ def test_baselines_keep_the_split_head_whole():
 def test_auto_granularity_beats_whole_layers_on_a_heavy_head():
     """4 layers of F 1 + B 2 ms and a head of F 6 + B 12 ms on 2 ranks, 1F1B, m 4.
     Whole blocks: rank 0 F 4.12 / B 8.24 ms, rank 1 the head: step = 4.12 + 4 * 18 + 8.24
-    = 84.36 ms. 12 shards of 1.5 ms: two join rank 0 (F 5.12 / B 10.24, 15.36 ms a
+    = 84.36 ms. 24 shards of 0.75 ms: four join rank 0 (F 5.12 / B 10.24, 15.36 ms a
     microbatch, rank 1 15 ms): step = 4 * 15.36 + 15 = 76.44 ms."""
     profile = _splittable()
     kwargs = {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}
@@ -75,15 +75,15 @@ def test_auto_granularity_beats_whole_layers_on_a_heavy_head():
     auto = make_plan(profile, **kwargs)
     assert layer.predicted_step_ms == pytest.approx(84.36, rel=0.01)
     assert auto.predicted_step_ms == pytest.approx(76.44, rel=0.01)
-    assert auto.pipeline_cuts == ("lm_head.shard1of12",)
+    assert auto.pipeline_cuts == ("lm_head.shard3of24",)
     assert auto.granularity == "sublayer" and layer.granularity == "layer"
 
 
 def test_cuts_are_evaluated_as_given():
     profile = _splittable()
     plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
-                     cuts=["lm_head.shard5of12"])
-    assert plan.pipeline_cuts == ("lm_head.shard5of12",)
+                     cuts=["lm_head.shard5of24"])
+    assert plan.pipeline_cuts == ("lm_head.shard5of24",)
     assert plan.solver.name == "cuts" and plan.virtual_stages == 1
     four = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
                      cuts=["lm_head.shard1of4"])  # the cut's K sets the number of shards

@@ -11,8 +11,9 @@ Parameters are divided by the same fraction, so the shards together count the
 head's weight once; the runtime, though, holds the whole head weight on every rank
 with a shard (it indexes its rows), so such a rank needs up to the head's
 parameters more static memory than planned: the plan's note says how many.
-``k`` makes a shard about half the smallest decoder layer (or half-layer):
-``ceil(2 * head / unit)``, within 2..32.
+``k`` makes a shard about a quarter of the smallest decoder layer (or half-layer):
+``ceil(4 * head / unit)``, within 2..64, so that stages of uneven layer halves can
+still be levelled by the shards after them.
 
 Decoder layers profiled as two halves (``profile --granularity sublayer``) stay
 halves at ``auto`` and ``sublayer``. ``layer`` fuses them back and keeps the head
@@ -34,7 +35,7 @@ from autopart.schema import Profile
 __all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "split_head"]
 
 GRANULARITY_CHOICES = ("auto", "layer", "sublayer")
-_MAX_SHARDS = 32
+_MAX_SHARDS = 64
 _CARRY_VALUES = 2  # running log-sum-exp, target logit
 _UNIT_KINDS = ("decoder_layer", "attention", "mlp")
 
@@ -78,13 +79,13 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
 
 
 def num_shards(profile: Profile) -> int:
-    """``ceil(2 * head / unit)`` within 2..32 (``unit``: the cheapest layer or half-layer)."""
+    """``ceil(4 * head / unit)`` within 2..64 (``unit``: the cheapest layer or half-layer)."""
     head = profile.blocks[-1]
     units = [b.fwd_ms + b.bwd_ms for b in profile.blocks if b.kind in _UNIT_KINDS]
     units = [u for u in units if u > 0] or [b.fwd_ms + b.bwd_ms for b in profile.blocks[:-1]]
     unit = min((u for u in units if u > 0), default=0.0)
     cost = head.fwd_ms + head.bwd_ms
-    num = math.ceil(2 * cost / unit) if unit > 0 else 2
+    num = math.ceil(4 * cost / unit) if unit > 0 else 2
     return max(2, min(_MAX_SHARDS, num, profile.model.head_split_rows))
 
 
