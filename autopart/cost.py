@@ -25,6 +25,7 @@ Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ __all__ = [
     "block_arrays",
     "checkpointed",
     "comm_ms",
+    "rank_static_bytes",
     "recv_buffer_bytes",
     "stage_cost",
     "static_bytes_per_param",
@@ -64,6 +66,10 @@ class StageCost:
     transient_bytes: int
     param_count: int
     recompute: bool = False
+    tied_static_bytes: int = 0
+    """Static bytes of the tied embedding/head weight when this stage holds it (once in
+    ``static_bytes``); a rank holding it in several stages counts it once
+    (``rank_static_bytes``)."""
 
     @property
     def bwd_ms(self) -> float:
@@ -82,6 +88,16 @@ def checkpointed(kind: str) -> bool:
     are not (the loss runs outside the stage, so checkpointing the head saves nothing).
     """
     return kind not in _NOT_CHECKPOINTED
+
+
+def rank_static_bytes(costs: Sequence[StageCost], stages: Sequence[int]) -> int:
+    """Static bytes of a rank holding ``stages``: each stage's, the tied weight once.
+
+    Torch shares one Parameter (and so one gradient and one optimizer state) between
+    the embedding and the head when both sit on the same rank.
+    """
+    tied = [costs[s].tied_static_bytes for s in stages]
+    return sum(costs[s].static_bytes for s in stages) - sum(tied) + max(tied, default=0)
 
 
 def recv_buffer_bytes(cost: StageCost, num_microbatches: int) -> int:
@@ -150,6 +166,9 @@ class BlockArrays:
     prefix_recompute_fwd: np.ndarray
     """Prefix of the forward time recomputation repeats (checkpointed blocks)."""
     prefix_num_params: np.ndarray
+    tied_static_bytes: np.ndarray | None = None
+    """Per block, static bytes of the weight it shares with another block (the tied
+    embedding and head; zeros, or None, when nothing is tied)."""
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
     glue_fwd_ms: float = 0.0
@@ -179,6 +198,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
     bwd_w = np.array([b.bwd_weight_ms for b in blocks], dtype=np.float64)
     num_params = np.array([b.num_params for b in blocks], dtype=np.int64)
     static = np.round(num_params * per_param).astype(np.int64)
+    tied = np.round(_tied_params(profile) * per_param).astype(np.int64)
     act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
     out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
     transient = np.array([b.transient_bytes for b in blocks], dtype=np.int64)
@@ -197,9 +217,25 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_bwd_weight=prefix(bwd_w), prefix_static=prefix(static),
         prefix_activation=prefix(act), checkpointed=ckpt, held_output_bytes=held,
         prefix_kept=prefix(kept), prefix_recompute_fwd=prefix(np.where(ckpt, fwd, 0.0)),
-        prefix_num_params=prefix(num_params), overhead=setup.runtime_overhead,
+        prefix_num_params=prefix(num_params), tied_static_bytes=tied,
+        overhead=setup.runtime_overhead,
         glue_fwd_ms=profile.setup.glue_fwd_ms,
     )
+
+
+def _tied_params(profile: Profile) -> np.ndarray:
+    """Per block, the parameters of the tied embedding/head weight it holds (``vocab x
+    hidden`` on the embedding block and on the one head block), zeros when untied."""
+    tied = np.zeros(len(profile.blocks), dtype=np.int64)
+    model = profile.model
+    kinds = [b.kind for b in profile.blocks]
+    if not model.tied_embeddings or kinds.count("embedding") != 1 or kinds.count("head") != 1:
+        return tied
+    owners = [kinds.index("embedding"), kinds.index("head")]
+    shared = min([model.vocab_size * model.hidden_size]
+                 + [profile.blocks[i].num_params for i in owners])
+    tied[owners] = shared
+    return tied
 
 
 def _held_final_output(profile: Profile) -> int:
@@ -248,19 +284,33 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         first_keeps = arrays.activation_bytes[first]
     act += int(arrays.held_output_bytes[last]) - min(input_bytes, int(first_keeps))
     last_block = arrays.num_blocks - 1
+    static, tied = _stage_static(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
         fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms,
         bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
-        static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
+        static_bytes=static,
         activation_bytes=act,
         input_bytes=input_bytes,
         output_bytes=int(arrays.output_bytes[last]) if last < last_block else 0,
         transient_bytes=transient,
         param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),
         recompute=recompute,
+        tied_static_bytes=tied,
     )
+
+
+def _stage_static(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
+    """(static bytes with the tied weight once, the tied weight's static bytes held)."""
+    static = int(arrays.prefix_static[last + 1] - arrays.prefix_static[first])
+    if arrays.tied_static_bytes is None:
+        return static, 0
+    held = arrays.tied_static_bytes[first:last + 1]
+    held = held[held > 0]
+    if not len(held):
+        return static, 0
+    return static - int(held.sum() - held.max()), int(held.max())
 
 
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,
@@ -295,5 +345,6 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       bwd_weight_ms=s.bwd_weight_ms, static_bytes=s.static_bytes,
                       activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
                       output_bytes=s.output_bytes, transient_bytes=s.transient_bytes,
-                      param_count=s.param_count, recompute=s.recompute)
+                      param_count=s.param_count, recompute=s.recompute,
+                      tied_static_bytes=s.tied_static_bytes)
             for s in plan.stages]

@@ -390,6 +390,9 @@ class StagePlan:
     output_bytes: int = 0
     """Sent to the next stage per microbatch."""
     transient_bytes: int = 0
+    tied_static_bytes: int = 0
+    """Static bytes of the tied embedding/head weight, if this stage holds it (a rank
+    holding it in two stages counts it once)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

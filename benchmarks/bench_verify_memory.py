@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from autopart.cost import recv_buffer_bytes, stage_costs_of_plan
+from autopart.cost import rank_static_bytes, recv_buffer_bytes, stage_costs_of_plan
 from autopart.profile import profile_model
 from autopart.solve import make_plan
 from autopart.verify import RunSettings, verify_plan
@@ -42,7 +42,7 @@ def _predicted_parts(plan, rank: int) -> tuple[int, int, int]:
     """(static, receive buffers, the rest) of the plan's prediction for ``rank``."""
     costs = stage_costs_of_plan(plan)
     stages = plan.ranks[rank].stages
-    static = sum(costs[s].static_bytes for s in stages)
+    static = rank_static_bytes(costs, stages)
     buffers = sum(recv_buffer_bytes(costs[s], plan.num_microbatches) for s in stages)
     return static, buffers, plan.ranks[rank].peak_memory_bytes - static - buffers
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopart.cost import block_arrays, checkpointed, stage_cost
+from autopart.cost import block_arrays, checkpointed, rank_static_bytes, stage_cost
 from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
 from autopart.simulate import simulate
 
@@ -89,3 +89,31 @@ def test_workspace_coincides_with_the_blocks_before_it():
     arrays = block_arrays(profile, SETUP)
     assert stage_cost(arrays, 0, 1).transient_bytes == max(1000 - 400, 60)
     assert stage_cost(arrays, 1, 1).transient_bytes == 60
+
+
+def _tied_llm(tied: bool) -> Profile:
+    """``_llm`` whose embedding and head share a vocab 8 x hidden 1 weight (8 parameters)."""
+    profile = _llm()
+    model = dataclasses.replace(profile.model, tied_embeddings=tied, hidden_size=1)
+    return dataclasses.replace(profile, model=model)
+
+
+def test_tied_weight_counts_once_per_rank():
+    """ZBV, pp 2, v 2, one block per stage: rank 0 holds stage 0 (emb) and stage 3
+    (head), each 10 parameters * 8 B = 80 B of static, of which the shared 8 * 8 = 64 B
+    is one Parameter in torch: rank 0's static is 80 + 80 - 64 = 96, rank 1's
+    (l0, l1) 160 + 160 = 320 either way. A stage holding both counts it once too."""
+    arrays = block_arrays(_tied_llm(True), SETUP)
+    costs = [stage_cost(arrays, i, i) for i in range(4)]
+    assert [c.tied_static_bytes for c in costs] == [64, 0, 0, 64]
+    assert rank_static_bytes(costs, (0, 3)) == 96
+    assert rank_static_bytes(costs, (1, 2)) == 320
+    assert stage_cost(arrays, 0, 3).static_bytes == 60 * 8 - 64
+    untied = block_arrays(_tied_llm(False), SETUP)
+    assert rank_static_bytes([stage_cost(untied, i, i) for i in range(4)], (0, 3)) == 160
+    kwargs = dict(schedule="zbv", pp_size=2, virtual_stages=2, num_microbatches=4,
+                  setup=SETUP)
+    peaks = simulate(costs, **kwargs).rank_peak_memory_bytes
+    untied_peaks = simulate([stage_cost(untied, i, i) for i in range(4)],
+                            **kwargs).rank_peak_memory_bytes
+    assert (untied_peaks[0] - peaks[0], untied_peaks[1] - peaks[1]) == (64, 0)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.cost import StageCost, comm_ms, recv_buffer_bytes
+from autopart.cost import StageCost, comm_ms, rank_static_bytes, recv_buffer_bytes
 from autopart.errors import PlanError
 from autopart.schedules import schedule_info
 from autopart.schema import TrainingSetup
@@ -337,8 +337,7 @@ def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
         act = np.array([stage_costs[s].activation_bytes for s in stages], dtype=np.int64)
         work = np.array([stage_costs[s].transient_bytes for s in stages], dtype=np.int64)
         peak = int((counts @ act + work[running]).max())
-        base = sum(stage_costs[s].static_bytes + recv_buffer_bytes(stage_costs[s],
-                                                                   num_microbatches)
-                   for s in stages)
+        base = rank_static_bytes(stage_costs, stages) + sum(
+            recv_buffer_bytes(stage_costs[s], num_microbatches) for s in stages)
         peaks.append(base + peak)
     return tuple(peaks)
