@@ -34,7 +34,9 @@ from autopart.solve.mesh import MeshCandidate, plan_mesh
 
 GLOBAL_BATCH = 1024
 SEQ_LEN = 4096
-SETTINGS = {"precision": "bf16-mixed", "optimizer": "adam", "zero_stage": 1}
+SETTINGS = {"precision": "bf16-mixed", "optimizer": "adam", "zero_stage": 1, "solver": "dp"}
+"""The DP solver (plus the local search): PuLP 3's HiGHS interface raises a KeyError on
+HiGHS's solution-limit status, which the ILP's node limit can produce on Llama-3-70B."""
 
 # (preset, device, devices, heads, layers, NeMo grid: tp, pp range, min/max model parallel,
 #  a named recipe: (label, tp, pp) or None)
