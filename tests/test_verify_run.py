@@ -7,11 +7,13 @@ are written. Error cases check exit code 2 and a single stderr line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from autopart.profile import profile_model
+from autopart.schema import Plan
 from autopart.solve import make_plan
 from autopart.verify import RunReport, verify_plan
 from cli import cmd_verify
@@ -89,6 +91,17 @@ def test_nproc_must_match_plan(files, capsys):
     assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--nproc", "3"]) == 2
     err = _one_line_error(capsys)
     assert "--nproc is 3" in err and "pp_size 2" in err
+
+
+@pytest.mark.parametrize("mesh", [{"tp_size": 2}, {"dp_size": 2}])
+def test_mesh_plan_is_refused_up_front(files, capsys, mesh):
+    """A tp or dp plan would spawn pp_size ranks that all fail on the world size."""
+    path = files["root"] / "mesh_plan.json"
+    dataclasses.replace(Plan.load(files["plan"]), **mesh).save(path)
+    assert main(["verify", str(path), "--model", "tiny-llama"]) == 2
+    err = _one_line_error(capsys)
+    assert "pipeline-only" in err and "--pp 2" in err
+    assert f"{next(iter(mesh))} 2" in err
 
 
 def test_plan_for_another_model(files, capsys):

@@ -51,10 +51,16 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
         The ``RunReport``; ``None`` on ranks other than 0 under torchrun.
 
     Raises:
-        AutopartError: One line, for a missing plan, a world size that is not the
+        AutopartError: One line, for a missing plan, a plan with tensor or data
+            parallelism (tp_size or dp_size above 1), a world size that is not the
             plan's, a model the plan was not made for, or a rank failing that way.
     """
     plan_obj = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if plan_obj.tp_size > 1 or plan_obj.dp_size > 1:
+        raise RuntimeSetupError(f"verify runs pipeline-only plans, this one has tp_size "
+                                f"{plan_obj.tp_size} and dp_size {plan_obj.dp_size}; make "
+                                f"one with 'autopart plan --pp {plan_obj.pp_size}' (no "
+                                f"--devices) to verify its pipeline split")
     in_place = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if in_place else (nproc or plan_obj.pp_size)
     if world != plan_obj.pp_size:
