@@ -46,11 +46,13 @@ class Evaluated:
 
 def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, *, schedule: str, pp_size: int,
                    virtual_stages: int, num_microbatches: int,
-                   bounds: Sequence[tuple[int, int]], recompute: Sequence[bool] | None = None
-                   ) -> Evaluated:
-    """Simulate the split ``bounds`` (half-open block ranges) under ``schedule``."""
+                   bounds: Sequence[tuple[int, int]], recompute: Sequence[bool] | None = None,
+                   stage_costs: Sequence[StageCost] | None = None) -> Evaluated:
+    """Simulate the split ``bounds`` (half-open block ranges) under ``schedule``;
+    ``stage_costs``, when given, are its stages' ``stage_cost`` (from a cache)."""
     flags = tuple(recompute) if recompute is not None else (False,) * len(bounds)
-    costs = tuple(stage_cost(arrays, i, j - 1, r) for (i, j), r in zip(bounds, flags))
+    costs = tuple(stage_cost(arrays, i, j - 1, r) for (i, j), r in zip(bounds, flags)
+                  ) if stage_costs is None else tuple(stage_costs)
     result = simulate(costs, schedule=schedule, pp_size=pp_size, virtual_stages=virtual_stages,
                       num_microbatches=num_microbatches, setup=setup, record_events=False)
     result = with_step_overhead(result, setup)

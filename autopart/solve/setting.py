@@ -56,12 +56,14 @@ class Setting:
         return tuple((self.starts[i], self.starts[j]) for i, j in bounds)
 
     def evaluate(self, config: Config, bounds: Sequence[tuple[int, int]],
-                 recompute: Sequence[bool] | None = None) -> Evaluated:
-        """Simulate the split ``bounds`` (original blocks) under ``config``."""
+                 recompute: Sequence[bool] | None = None,
+                 stage_costs: Sequence[StageCost] | None = None) -> Evaluated:
+        """Simulate the split ``bounds`` (original blocks) under ``config``
+        (``stage_costs``: its stages' costs when the caller has them cached)."""
         return evaluate_split(self.arrays, self.setup, schedule=config.schedule,
                               pp_size=config.pp_size, virtual_stages=config.virtual_stages,
                               num_microbatches=config.num_microbatches, bounds=bounds,
-                              recompute=recompute)
+                              recompute=recompute, stage_costs=stage_costs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +79,9 @@ class ConfigJudge:
 
     def evaluate(self, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool]
                  ) -> Evaluated:
-        """Simulate a split under the configuration."""
-        return self.setting.evaluate(self.config, bounds, recompute)
+        """Simulate a split under the configuration (stage costs from the cache)."""
+        costs = [self.cost(i, j, r) for (i, j), r in zip(bounds, recompute, strict=True)]
+        return self.setting.evaluate(self.config, bounds, recompute, costs)
 
     def critical(self, current: Evaluated) -> PathBound:
         """The bound from a simulated split's critical path (``simulate.critical_counts``)."""
