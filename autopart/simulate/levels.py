@@ -42,8 +42,9 @@ class LevelPlan:
     num_stages: int
     duration_idx: np.ndarray
     """Per node, its row in the duration table ``(table * num_stages + stage)``."""
-    level_bounds: tuple[tuple[int, int, np.ndarray, np.ndarray], ...]
-    """Per level: node range ``[lo, hi)`` and both predecessors of each of its nodes."""
+    level_bounds: tuple[tuple[int, int, np.ndarray], ...]
+    """Per level: node range ``[lo, hi)`` and the first then the second predecessor of
+    each of its nodes, as one array (one gather per level)."""
     rank_nodes: np.ndarray
     """``(longest run, ranks)``: per rank its compute nodes in run order, then padding
     (the index one past the last node, whose duration is 0)."""
@@ -90,10 +91,16 @@ class LevelPlan:
         np.take(table.reshape(len(table), width) if width > 1 else table.ravel(),
                 self.duration_idx, axis=0, out=durations[:num])
         durations[num] = 0.0  # the padding of ``rank_nodes``
-        end = np.zeros_like(durations)
-        for lo, hi, first, second in self.level_bounds:
-            np.maximum(end[first], end[second], out=end[lo:hi])
-            end[lo:hi] += durations[lo:hi]
+        # end = duration + max(both predecessors' ends), level by level (the source and
+        # the padding end at 0). d + max(a, b) is max(a, b) + d bit for bit (IEEE
+        # addition commutes), so this equals the engine's start + duration.
+        end = durations.copy()
+        end[0] = 0.0
+        take, maximum = end.take, np.maximum
+        for lo, hi, both in self.level_bounds:
+            ends = take(both, axis=0)
+            half = hi - lo
+            end[lo:hi] += maximum(ends[:half], ends[half:])
         # Summed in each rank's run order, as the engine does (0.0 padding adds nothing).
         busy = np.add.accumulate(durations[self.rank_nodes], axis=0)[-1]
         step = end[self.last_nodes].max(axis=0)
@@ -117,7 +124,8 @@ def level_plan(schedule: str, pp_size: int, virtual_stages: int,
     sorted_depth = depth[order]
     cuts = np.flatnonzero(np.diff(sorted_depth)) + 1
     bounds = [0, *cuts.tolist(), len(order)]
-    levels = tuple((lo, hi, p1[lo:hi], p2[lo:hi]) for lo, hi in zip(bounds[1:-1], bounds[2:]))
+    levels = tuple((lo, hi, np.concatenate([p1[lo:hi], p2[lo:hi]]))
+                   for lo, hi in zip(bounds[1:-1], bounds[2:]))
     compute = np.array(rank_of_node)[order]
     per_rank = [np.flatnonzero(compute == r) for r in range(pp_size)]
     longest = max(len(nodes) for nodes in per_rank)
@@ -167,28 +175,29 @@ def _nodes(plan, num_stages: int) -> tuple[list[int], ...]:
 
 
 def _depths(pred1: list[int], pred2: list[int]) -> np.ndarray:
-    """Longest-path depth of every node (Kahn's algorithm; the source has depth 0)."""
-    num = len(pred1)
-    succ: list[list[int]] = [[] for _ in range(num)]
-    indeg = [0] * num
-    for node in range(1, num):
-        a, b = pred1[node], pred2[node]
-        succ[a].append(node)
-        if b != a:
-            succ[b].append(node)
-            indeg[node] = 2
-        else:
-            indeg[node] = 1
-    depth = [0] * num
-    ready = [0]
-    while ready:
-        node = ready.pop()
-        d = depth[node] + 1
-        for nxt in succ[node]:
-            if depth[nxt] < d:
-                depth[nxt] = d
-            indeg[nxt] -= 1
-            if not indeg[nxt]:
-                ready.append(nxt)
-    assert not any(indeg), f"schedule deadlocked: {sum(1 for x in indeg if x)} actions wait"
-    return np.array(depth)
+    """Longest-path depth of every node (the source has depth 0), frontier by frontier.
+
+    A node's depth is one more than its deeper predecessor's, so it is ready in the
+    round right after its last predecessor's: among that frontier's successors, the
+    ones whose both predecessors are done form the next frontier (vectorized Kahn).
+    """
+    first, second = np.asarray(pred1), np.asarray(pred2)
+    num = len(first)
+    src = np.concatenate([first[1:], second[1:]])
+    dst = np.concatenate([np.arange(1, num), np.arange(1, num)])
+    order = np.argsort(src, kind="stable")
+    succ, offsets = dst[order], np.zeros(num + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=num), out=offsets[1:])
+    depth = np.full(num, -1, dtype=np.int64)
+    depth[0], frontier, level = 0, np.zeros(1, dtype=np.int64), 0
+    while len(frontier):
+        level += 1
+        starts, counts = offsets[frontier], offsets[frontier + 1] - offsets[frontier]
+        runs = np.repeat(starts - np.cumsum(counts) + counts, counts)
+        cand = np.unique(succ[runs + np.arange(len(runs))])
+        ready = (depth[first[cand]] >= 0) & (depth[second[cand]] >= 0) & (depth[cand] < 0)
+        frontier = cand[ready]
+        depth[frontier] = level
+    waiting = int(np.count_nonzero(depth < 0))
+    assert not waiting, f"schedule deadlocked: {waiting} actions wait"
+    return depth
