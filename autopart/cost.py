@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopart.intake.head_split import parse_shard
 from autopart.schema import DTYPE_BYTES, Plan, Profile, RuntimeOverhead, TrainingSetup
 
 __all__ = [
@@ -67,9 +68,11 @@ class StageCost:
     param_count: int
     recompute: bool = False
     tied_static_bytes: int = 0
-    """Static bytes of the tied embedding/head weight when this stage holds it (once in
-    ``static_bytes``); a rank holding it in several stages counts it once
-    (``rank_static_bytes``)."""
+    """Static bytes of the weight held whole by every rank holding part of it (the
+    tied embedding/head weight, a head split by vocabulary), if this stage holds part."""
+    tied_part_bytes: int = 0
+    """The part of ``static_bytes`` that is that weight (a shard's rows, or the tied
+    weight once per owning block); ``rank_static_bytes`` counts the whole once instead."""
 
     @property
     def bwd_ms(self) -> float:
@@ -91,13 +94,14 @@ def checkpointed(kind: str) -> bool:
 
 
 def rank_static_bytes(costs: Sequence[StageCost], stages: Sequence[int]) -> int:
-    """Static bytes of a rank holding ``stages``: each stage's, the tied weight once.
+    """Static bytes of a rank holding ``stages``: each stage's, the shared weight once.
 
     Torch shares one Parameter (and so one gradient and one optimizer state) between
-    the embedding and the head when both sit on the same rank.
+    the embedding and the head when both sit on the same rank, and the runtime holds a
+    head split by vocabulary whole on every rank with one of its shards.
     """
-    tied = [costs[s].tied_static_bytes for s in stages]
-    return sum(costs[s].static_bytes for s in stages) - sum(tied) + max(tied, default=0)
+    whole = max((costs[s].tied_static_bytes for s in stages), default=0)
+    return sum(costs[s].static_bytes - costs[s].tied_part_bytes for s in stages) + whole
 
 
 def recv_buffer_bytes(cost: StageCost, num_microbatches: int) -> int:
@@ -166,9 +170,11 @@ class BlockArrays:
     prefix_recompute_fwd: np.ndarray
     """Prefix of the forward time recomputation repeats (checkpointed blocks)."""
     prefix_num_params: np.ndarray
-    tied_static_bytes: np.ndarray | None = None
-    """Per block, static bytes of the weight it shares with another block (the tied
-    embedding and head; zeros, or None, when nothing is tied)."""
+    tied_part_bytes: np.ndarray | None = None
+    """Per block, static bytes of its part of the weight held whole on several ranks
+    (the tied embedding/head weight, a split head's rows; None: nothing shared)."""
+    tied_whole_bytes: int = 0
+    """Static bytes of that whole weight."""
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
     glue_fwd_ms: float = 0.0
@@ -198,7 +204,8 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
     bwd_w = np.array([b.bwd_weight_ms for b in blocks], dtype=np.float64)
     num_params = np.array([b.num_params for b in blocks], dtype=np.int64)
     static = np.round(num_params * per_param).astype(np.int64)
-    tied = np.round(_tied_params(profile) * per_param).astype(np.int64)
+    tied_part, tied_whole = _tied_params(profile)
+    tied = np.round(tied_part * per_param).astype(np.int64)
     act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
     out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
     transient = np.array([b.transient_bytes for b in blocks], dtype=np.int64)
@@ -217,25 +224,33 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_bwd_weight=prefix(bwd_w), prefix_static=prefix(static),
         prefix_activation=prefix(act), checkpointed=ckpt, held_output_bytes=held,
         prefix_kept=prefix(kept), prefix_recompute_fwd=prefix(np.where(ckpt, fwd, 0.0)),
-        prefix_num_params=prefix(num_params), tied_static_bytes=tied,
-        overhead=setup.runtime_overhead,
+        prefix_num_params=prefix(num_params), tied_part_bytes=tied,
+        tied_whole_bytes=round(tied_whole * per_param), overhead=setup.runtime_overhead,
         glue_fwd_ms=profile.setup.glue_fwd_ms,
     )
 
 
-def _tied_params(profile: Profile) -> np.ndarray:
-    """Per block, the parameters of the tied embedding/head weight it holds (``vocab x
-    hidden`` on the embedding block and on the one head block), zeros when untied."""
-    tied = np.zeros(len(profile.blocks), dtype=np.int64)
+def _tied_params(profile: Profile) -> tuple[np.ndarray, int]:
+    """Per block, its parameters of the one weight held whole on several ranks, and
+    that weight's parameters: a head split by vocabulary (each shard its rows, the
+    whole head held), the tied embedding/head weight (``vocab x hidden`` on the
+    embedding and on the head), or both; zeros and 0 when there is none."""
+    blocks = profile.blocks
+    part = np.zeros(len(blocks), dtype=np.int64)
+    shards = [i for i, b in enumerate(blocks) if parse_shard(b.name)]
+    heads = [i for i, b in enumerate(blocks) if b.kind == "head" and i not in shards]
+    for i in shards:
+        part[i] = blocks[i].num_params
+    whole = int(part.sum())
     model = profile.model
-    kinds = [b.kind for b in profile.blocks]
-    if not model.tied_embeddings or kinds.count("embedding") != 1 or kinds.count("head") != 1:
-        return tied
-    owners = [kinds.index("embedding"), kinds.index("head")]
-    shared = min([model.vocab_size * model.hidden_size]
-                 + [profile.blocks[i].num_params for i in owners])
-    tied[owners] = shared
-    return tied
+    embeddings = [i for i, b in enumerate(blocks) if b.kind == "embedding"]
+    if model.tied_embeddings and len(embeddings) == 1 and len(heads) + bool(shards) == 1:
+        owners = embeddings + heads
+        tied = min([model.vocab_size * model.hidden_size]
+                   + [blocks[i].num_params for i in owners])
+        part[owners] = tied
+        whole = max(whole, tied)
+    return part, whole
 
 
 def _held_final_output(profile: Profile) -> int:
@@ -284,33 +299,30 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         first_keeps = arrays.activation_bytes[first]
     act += int(arrays.held_output_bytes[last]) - min(input_bytes, int(first_keeps))
     last_block = arrays.num_blocks - 1
-    static, tied = _stage_static(arrays, first, last)
+    tied_whole, tied_part = _stage_tied(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
         fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms,
         bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
-        static_bytes=static,
+        static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
         activation_bytes=act,
         input_bytes=input_bytes,
         output_bytes=int(arrays.output_bytes[last]) if last < last_block else 0,
         transient_bytes=transient,
         param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),
         recompute=recompute,
-        tied_static_bytes=tied,
+        tied_static_bytes=tied_whole,
+        tied_part_bytes=tied_part,
     )
 
 
-def _stage_static(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
-    """(static bytes with the tied weight once, the tied weight's static bytes held)."""
-    static = int(arrays.prefix_static[last + 1] - arrays.prefix_static[first])
-    if arrays.tied_static_bytes is None:
-        return static, 0
-    held = arrays.tied_static_bytes[first:last + 1]
-    held = held[held > 0]
-    if not len(held):
-        return static, 0
-    return static - int(held.sum() - held.max()), int(held.max())
+def _stage_tied(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
+    """(the shared weight's whole static bytes if the stage holds part of it, that part)."""
+    if arrays.tied_part_bytes is None:
+        return 0, 0
+    part = int(arrays.tied_part_bytes[first:last + 1].sum())
+    return (arrays.tied_whole_bytes if part else 0), part
 
 
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,
@@ -346,5 +358,6 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
                       output_bytes=s.output_bytes, transient_bytes=s.transient_bytes,
                       param_count=s.param_count, recompute=s.recompute,
-                      tied_static_bytes=s.tied_static_bytes)
+                      tied_static_bytes=s.tied_static_bytes,
+                      tied_part_bytes=s.tied_part_bytes)
             for s in plan.stages]

@@ -391,8 +391,10 @@ class StagePlan:
     """Sent to the next stage per microbatch."""
     transient_bytes: int = 0
     tied_static_bytes: int = 0
-    """Static bytes of the tied embedding/head weight, if this stage holds it (a rank
-    holding it in two stages counts it once)."""
+    """Static bytes of the weight held whole on every rank holding part of it (tied
+    embedding/head, split head), if this stage holds part; a rank counts it once."""
+    tied_part_bytes: int = 0
+    """The part of ``static_bytes`` that is that weight."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -105,10 +105,11 @@ def test_tied_weight_counts_once_per_rank():
     (l0, l1) 160 + 160 = 320 either way. A stage holding both counts it once too."""
     arrays = block_arrays(_tied_llm(True), SETUP)
     costs = [stage_cost(arrays, i, i) for i in range(4)]
-    assert [c.tied_static_bytes for c in costs] == [64, 0, 0, 64]
+    assert [(c.tied_static_bytes, c.tied_part_bytes) for c in costs] == \
+        [(64, 64), (0, 0), (0, 0), (64, 64)]
     assert rank_static_bytes(costs, (0, 3)) == 96
     assert rank_static_bytes(costs, (1, 2)) == 320
-    assert stage_cost(arrays, 0, 3).static_bytes == 60 * 8 - 64
+    assert rank_static_bytes([stage_cost(arrays, 0, 3)], (0,)) == 60 * 8 - 64
     untied = block_arrays(_tied_llm(False), SETUP)
     assert rank_static_bytes([stage_cost(untied, i, i) for i in range(4)], (0, 3)) == 160
     kwargs = dict(schedule="zbv", pp_size=2, virtual_stages=2, num_microbatches=4,
@@ -117,3 +118,25 @@ def test_tied_weight_counts_once_per_rank():
     untied_peaks = simulate([stage_cost(untied, i, i) for i in range(4)],
                             **kwargs).rank_peak_memory_bytes
     assert (untied_peaks[0] - peaks[0], untied_peaks[1] - peaks[1]) == (64, 0)
+
+
+def test_split_head_is_held_whole_on_every_rank_with_a_shard():
+    """A head of vocab 8 x hidden 1 split into two shards of 4 parameters: a rank with
+    one shard holds the whole weight, its gradient and state, 8 * 8 = 64 B, not 32 B.
+    Tied as well, the embedding (2 own + the 8 shared parameters) holds that same
+    weight: a rank with the embedding and a shard holds (2 + 8) * 8 = 80 B."""
+    profile = _tied_llm(False)
+    head = profile.blocks[-1]
+    shards = tuple(dataclasses.replace(head, name=f"head.shard{i}of2", num_params=4)
+                   for i in range(2))
+    profile = dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
+    costs = [stage_cost(block_arrays(profile, SETUP), i, i) for i in range(5)]
+    assert [c.static_bytes for c in costs] == [80, 160, 160, 32, 32]
+    assert rank_static_bytes(costs, (3,)) == 64
+    assert rank_static_bytes(costs, (3, 4)) == 64
+    assert rank_static_bytes(costs, (2, 4)) == 160 + 64
+    tied = dataclasses.replace(profile, model=_tied_llm(True).model)
+    costs = [stage_cost(block_arrays(tied, SETUP), i, i) for i in range(5)]
+    assert rank_static_bytes(costs, (0, 4)) == 80
+    assert rank_static_bytes(costs, (0,)) == 80
+    assert rank_static_bytes(costs, (1, 3)) == 160 + 64
