@@ -8,6 +8,7 @@ blocks, so that runs of identical blocks, which the model aggregates, are common
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,7 @@ from solve_helpers import (
 )
 
 from autopart.schedules import stage_to_rank
+from autopart.schema import TrainingSetup
 from autopart.solve import solve_ilp
 from autopart.solve._ilp_model import block_runs, rank_time_floor
 from autopart.solve.ilp import rank_objective
@@ -99,3 +101,25 @@ def test_backends_break_ties_the_same_way(num_layers, pp, v):
     assert all(sol.status == "optimal" for sol in sols)
     assert sols[0].bounds == sols[1].bounds
     assert sols[0].objective_ms == pytest.approx(sols[1].objective_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_a_node_limit_returns_the_incumbent_split(backend):
+    """A search the node limit stops returns its best split as ``limit`` with a gap, on
+    both backends (PuLP 3.3 raises KeyError on HiGHS's node-limit status by itself)."""
+    pytest.importorskip("highspy")
+    rng = random.Random(0)
+    blocks = [make_block(f"b{i}", fwd_ms=rng.uniform(0.5, 2.0),
+                         num_params=rng.randint(1, 10) * 100_000,
+                         activation_bytes=rng.randint(1, 50) * 2**20, output_bytes=2**20)
+              for i in range(60)]
+    chain = chain_of(make_profile(blocks), TrainingSetup(pp_size=4, num_microbatches=8))
+    ranks = [s % 4 for s in range(12)]
+    solution = solve_ilp(chain, stage_ranks=ranks, in_flight=[4] * 12, num_microbatches=8,
+                         backend=backend, max_nodes=1)
+    assert solution is not None and solution.status == "limit"
+    starts = [i for i, _ in solution.bounds]
+    ends = [j for _, j in solution.bounds]
+    assert starts[0] == 0 and ends[-1] == 60 and starts[1:] == ends[:-1]
+    assert solution.objective_ms == pytest.approx(
+        rank_objective(chain, solution.bounds, solution.recompute, ranks, 8))

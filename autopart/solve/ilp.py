@@ -65,8 +65,8 @@ def _backend(name: str, time_limit_s: float | None, max_nodes: int | None):
         name = "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
     if name == "highs":
         extra = {} if max_nodes is None else {"mip_max_nodes": int(max_nodes)}
-        return "highs", pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1,
-                                   gapRel=_GAP_REL, gapAbs=0.0, **extra)
+        return "highs", _node_limited_highs()(msg=False, timeLimit=time_limit_s, threads=1,
+                                              gapRel=_GAP_REL, gapAbs=0.0, **extra)
     if name == "cbc":
         with warnings.catch_warnings():  # PuLP 3.3 flags its bundled CBC for PuLP 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -74,6 +74,32 @@ def _backend(name: str, time_limit_s: float | None, max_nodes: int | None):
                                            gapRel=_GAP_REL, gapAbs=0.0,
                                            maxNodes=max_nodes)
     raise ValueError(f"unknown ILP backend {name!r}; choose auto, highs or cbc")
+
+
+def _node_limited_highs():
+    """PuLP's HiGHS interface, reading the incumbent when ``mip_max_nodes`` stops the search.
+
+    HiGHS reports a node limit as ``kSolutionLimit``, a status PuLP 3.3's
+    ``findSolutionValues`` has no entry for (it raises ``KeyError``). Under that status
+    the incumbent is read as PuLP reads it under a time limit; every other status goes
+    to PuLP unchanged.
+    """
+    import highspy
+    import pulp
+
+    class NodeLimitedHiGHS(pulp.HiGHS):
+        def findSolutionValues(self, lp):  # noqa: N802 (PuLP's name)
+            model = lp.solverModel
+            if model.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
+                return super().findSolutionValues(lp)
+            values = list(model.getSolution().col_value)
+            if not values or model.getObjectiveValue() == float("inf"):
+                return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+            for var in lp.variables():
+                var.varValue = values[var.index]
+            return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+
+    return NodeLimitedHiGHS
 
 
 def rank_objective(chain: Chain, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool],
