@@ -123,3 +123,17 @@ def test_cli_cuts_errors_are_one_line(tmp_path, capsys, cuts, message):
     assert main(["plan", str(path), "--pp", "2", "--cuts", cuts]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err and message in err, err
+
+
+def test_a_shard_holds_the_full_size_gradient_it_writes():
+    """Each shard's backward writes a gradient as large as the whole head weight (zeros
+    outside its rows): workspace = head workspace / 4 + the head's parameter bytes; the
+    parameters split exactly (rounded at both ends)."""
+    profile = _splittable(rows=1000)
+    head = profile.blocks[-1]
+    shards = split_head(profile, 3).blocks[-3:]
+    assert [b.transient_bytes for b in shards] == [
+        round(head.transient_bytes * f) + head.param_bytes for f in (333 / 1000, 333 / 1000,
+                                                                     334 / 1000)]
+    assert sum(b.num_params for b in shards) == head.num_params
+    assert sum(b.param_bytes for b in shards) == head.param_bytes

@@ -7,10 +7,12 @@ ordinary blocks. Their costs are **derived**, not measured: the head's F, B, W,
 activation and workspace times the shard's vocabulary fraction (the head is its
 vocabulary matmul and the loss over the logits, both linear in the rows), plus the
 carry a shard sends on (the hidden state and two float32 values per position).
-Parameters are divided by the same fraction, so the shards together count the
-head's weight once; the runtime, though, holds the whole head weight on every rank
-with a shard (it indexes its rows), so such a rank needs up to the head's
-parameters more static memory than planned: the plan's note says how many.
+Parameters are divided by the same fraction (``num_params``, what each shard
+computes with), but the runtime holds the whole head weight on every rank with a
+shard (it indexes its rows), with a full-size gradient and optimizer state: the cost
+model counts the head's whole weight once on each such rank (``autopart.cost``), and
+each shard's backward writes a full-size gradient (zeros outside its rows) before
+adding it to the weight's, so a shard's workspace carries one head weight.
 ``k`` makes a shard about a quarter of the smallest decoder layer (or half-layer):
 ``ceil(4 * head / unit)``, within 2..64, so that stages of uneven layer halves can
 still be levelled by the shards after them.
@@ -73,9 +75,9 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
     head = profile.blocks[-1]
     return split_head(profile, num), [
         f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
-        f"rank with a shard holds the whole head weight, up to "
-        f"{head.num_params * (num - 1) / num / 1e6:.1f}M parameters more than its memory "
-        f"figure"]
+        f"rank with a shard holds the whole head weight ({head.num_params / 1e6:.1f}M "
+        f"parameters, counted once per rank) and each shard's backward writes a full-size "
+        f"gradient of it"]
 
 
 def num_shards(profile: Profile) -> int:
@@ -100,13 +102,17 @@ def split_head(profile: Profile, num: int) -> Profile:
     for i, name in enumerate(shard_names(head.name, num)):
         lo, hi = vocab_range(i, num, rows)
         frac = (hi - lo) / rows
+
+        def part(total: int) -> int:  # rounded at both ends: the shards sum to ``total``
+            return round(total * hi / rows) - round(total * lo / rows)
+
         shards.append(dataclasses.replace(
             head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
             bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
             activation_bytes=round(head.activation_bytes * frac),
-            transient_bytes=round(head.transient_bytes * frac),
+            transient_bytes=round(head.transient_bytes * frac) + head.param_bytes,
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
-            param_bytes=round(head.param_bytes * frac), num_params=round(head.num_params * frac),
+            param_bytes=part(head.param_bytes), num_params=part(head.num_params),
             measured=(), reused_from=None,
             modules=()))
     return dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
