@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from autopart.intake.forward import leaf_paths
 from autopart.intake.head_split import head_split_refusal
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
+from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
 from autopart.profile.moe import expert_counter
 from autopart.profile.noise import load_average, recheck
@@ -100,6 +102,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                                           progress)
         timed_glue = isinstance(engine, MeasuringEngine) and engine.device.type in ("cpu", "cuda")
         glue_ms = runner.time_glue(outputs) if timed_glue else 0.0
+    info = _model_info(loaded, chain, blocks)
+    head_grad = _head_grad_ms(engine, model, chain, dtype) if info.head_split_rows else 0.0
     setup = ProfileSetup(
         backend=backend, device_name=engine.device_name, dtype=dtype,
         micro_batch_size=micro_batch_size, seq_len=seq_len, torch_version=torch.__version__,
@@ -108,13 +112,24 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
         time_source=engine.time_source, memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(), glue_fwd_ms=round(glue_ms, 4),
+        head_grad_ms=round(head_grad, 6),
         load_average=() if backend.startswith("analytical") else (load_before,
                                                                    load_average()),
         attn_implementation=str(getattr(getattr(model, "config", None),
                                         "_attn_implementation", "") or ""),
         granularity=chain.granularity)
-    return Profile(model=_model_info(loaded, chain, blocks), setup=setup,
-                   blocks=tuple(blocks))
+    return Profile(model=info, setup=setup, blocks=tuple(blocks))
+
+
+def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: str) -> float:
+    """The full-size gradient write of one head shard's backward (``head_grad``): measured
+    on ``cpu``/``cuda``, estimated from the spec on analytical profiles, else 0."""
+    shape = tuple(model.get_submodule(chain.blocks[-1].name).weight.shape)
+    if isinstance(engine, AnalyticalEngine):
+        return estimate_head_grad_ms(math.prod(shape), engine.spec, dtype)
+    if engine.device.type in ("cpu", "cuda"):
+        return measure_head_grad_ms(shape, TORCH_DTYPES[dtype], engine.device)
+    return 0.0
 
 
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,

@@ -12,7 +12,10 @@ computes with), but the runtime holds the whole head weight on every rank with a
 shard (it indexes its rows), with a full-size gradient and optimizer state: the cost
 model counts the head's whole weight once on each such rank (``autopart.cost``), and
 each shard's backward writes a full-size gradient (zeros outside its rows) before
-adding it to the weight's, so a shard's workspace carries one head weight.
+adding it to the weight's, so a shard's workspace carries one head weight and its W
+the time of that zero-fill + add (``ProfileSetup.head_grad_ms``, measured on cpu and
+cuda, estimated from memory bandwidth on analytical profiles; a profile without it
+gets a note).
 ``k`` makes a shard about a quarter of the smallest decoder layer (or half-layer):
 ``ceil(4 * head / unit)``, within 2..64, so that stages of uneven layer halves can
 still be levelled by the shards after them.
@@ -73,11 +76,14 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
         return profile, []
     num = shards or num_shards(profile)
     head = profile.blocks[-1]
+    grad_ms = profile.setup.head_grad_ms
+    grad = (f"{grad_ms:.3g} ms, {profile.setup.time_source.split(':')[0]}" if grad_ms > 0 else
+            "not in this profile: re-profile to count it")
     return split_head(profile, num), [
         f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
         f"rank with a shard holds the whole head weight ({head.num_params / 1e6:.1f}M "
         f"parameters, counted once per rank) and each shard's backward writes a full-size "
-        f"gradient of it"]
+        f"gradient of it ({grad})"]
 
 
 def num_shards(profile: Profile) -> int:
@@ -98,6 +104,7 @@ def split_head(profile: Profile, num: int) -> Profile:
     setup = profile.setup
     carry = _CARRY_VALUES * 4 * setup.micro_batch_size * max(setup.seq_len - 1, 1)
     hidden = profile.blocks[-2].output_bytes if len(profile.blocks) > 1 else 0
+    grad_ms = setup.head_grad_ms
     shards = []
     for i, name in enumerate(shard_names(head.name, num)):
         lo, hi = vocab_range(i, num, rows)
@@ -107,8 +114,9 @@ def split_head(profile: Profile, num: int) -> Profile:
             return round(total * hi / rows) - round(total * lo / rows)
 
         shards.append(dataclasses.replace(
-            head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
-            bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
+            head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac + grad_ms,
+            bwd_input_ms=head.bwd_input_ms * frac,
+            bwd_weight_ms=head.bwd_weight_ms * frac + grad_ms,
             activation_bytes=round(head.activation_bytes * frac),
             transient_bytes=round(head.transient_bytes * frac) + head.param_bytes,
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
