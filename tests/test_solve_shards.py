@@ -137,3 +137,21 @@ def test_a_shard_holds_the_full_size_gradient_it_writes():
                                                                      334 / 1000)]
     assert sum(b.num_params for b in shards) == head.num_params
     assert sum(b.param_bytes for b in shards) == head.param_bytes
+
+
+def test_auto_keeps_the_head_whole_when_the_gradient_writes_cost_more():
+    """The plan of test_auto_granularity_beats_whole_layers_on_a_heavy_head, but each of
+    the 24 shards writes a 1 ms gradient: 24 ms more backward than the head's, so the
+    split cannot win (whole: 84.36 ms) and auto keeps the head whole with a note."""
+    profile = _splittable()
+    slow = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
+                                                                  head_grad_ms=1.0))
+    kwargs = {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}
+    plan = make_plan(slow, **kwargs)
+    assert plan.predicted_step_ms == pytest.approx(84.36, rel=0.01)
+    assert plan.pipeline_cuts == make_plan(profile, granularity="layer", **kwargs).pipeline_cuts
+    assert any(n.startswith("lm_head kept whole: split into 24 vocabulary shards")
+               for n in plan.notes)
+    fast = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
+                                                                  head_grad_ms=0.01))
+    assert make_plan(fast, **kwargs).pipeline_cuts == ("lm_head.shard3of24",)

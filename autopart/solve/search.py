@@ -27,7 +27,12 @@ from autopart.solve.propose import propose
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.refine import legal, refine
 from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_configs
-from autopart.solve.shards import apply_granularity, cut_bounds
+from autopart.solve.shards import (
+    apply_granularity,
+    cut_bounds,
+    faster_of_split_or_whole,
+    splits_head,
+)
 from autopart.targets import planning_constraints
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
@@ -84,7 +89,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
             rules (``autopart.targets``), its cut kinds unless ``cut_kinds`` is given,
             and its schedules.
         granularity: ``auto`` / ``sublayer``: the finest blocks the runtime runs, the
-            head split into vocabulary shards where it can be (``autopart.solve.shards``);
+            head split into vocabulary shards where it can be (``autopart.solve.shards``;
+            ``auto`` keeps the head whole where that predicts a step as fast or faster);
             ``layer``: whole blocks. Export targets plan at ``layer``.
         cuts: Evaluate this split instead of searching: the last block of every stage
             but the final one (``pp_size * v - 1`` names, in model order); shard names
@@ -104,6 +110,10 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
             granularity, cuts).
         InfeasibleError: Nothing fits; the message names the memory that would fit.
     """
+    args = {k: v for k, v in locals().items() if k not in ("profile", "setup_fields")}
+    if granularity == "auto" and cuts is None and target is None and splits_head(profile):
+        return faster_of_split_or_whole(lambda p: make_plan(
+            p, **{**args, "granularity": "sublayer"}, **setup_fields), profile)
     if target is not None:
         schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
                                             num_microbatches)

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from autopart.errors import PlanError
+from autopart.errors import InfeasibleError, PlanError
 from autopart.granularity import fuse_layers
 from autopart.intake.head_split import parse_shard, shard_names, vocab_range
-from autopart.schema import Profile
+from autopart.schema import Plan, Profile
 
-__all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "split_head"]
+__all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "faster_of_split_or_whole",
+           "split_head", "splits_head"]
 
 GRANULARITY_CHOICES = ("auto", "layer", "sublayer")
 _MAX_SHARDS = 64
@@ -84,6 +85,47 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
         f"rank with a shard holds the whole head weight ({head.num_params / 1e6:.1f}M "
         f"parameters, counted once per rank) and each shard's backward writes a full-size "
         f"gradient of it ({grad})"]
+
+
+def splits_head(profile: Profile) -> bool:
+    """Whether ``auto`` granularity splits the head of ``profile`` into shards."""
+    return bool(profile.model.head_split_rows) and profile.blocks[-1].kind == "head"
+
+
+def faster_of_split_or_whole(plan_on: Callable[[Profile], Plan], profile: Profile) -> Plan:
+    """The faster of ``plan_on(profile)`` (head split) and the plan with the head whole.
+
+    Every shard pays a full-size gradient write of the head weight and every rank with
+    one holds the whole weight, so on some devices the split loses: ``auto`` then keeps
+    the head whole and says why.
+
+    Args:
+        plan_on: Plans a profile at ``sublayer`` granularity.
+        profile: A profile whose head ``auto`` splits (``splits_head``).
+
+    Returns:
+        The plan with the faster predicted step (the split on a tie is not kept).
+
+    Raises:
+        InfeasibleError: Neither fits.
+    """
+    whole_profile = dataclasses.replace(
+        profile, model=dataclasses.replace(profile.model, head_split_rows=0))
+    try:
+        split = plan_on(profile)
+    except InfeasibleError:
+        return plan_on(whole_profile)
+    try:
+        whole = plan_on(whole_profile)
+    except InfeasibleError:
+        return split
+    if split.predicted_step_ms < whole.predicted_step_ms:
+        return split
+    head = profile.blocks[-1].name
+    return dataclasses.replace(whole, notes=(*whole.notes, (
+        f"{head} kept whole: split into {num_shards(profile)} vocabulary shards the step is "
+        f"predicted {split.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} "
+        f"ms (every shard writes a full-size gradient of the head weight)")))
 
 
 def num_shards(profile: Profile) -> int:
