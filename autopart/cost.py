@@ -177,6 +177,11 @@ class BlockArrays:
     """Static bytes of that whole weight."""
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
+    shard_blocks: np.ndarray | None = None
+    """Per block, whether it is a vocabulary shard of the head (None: no shards)."""
+    head_grad_ms: float = 0.0
+    """W time a stage with shards adds per microbatch: its backward of the shards' rows
+    writes a full-size gradient of the head weight (``ProfileSetup.head_grad_ms``)."""
     glue_fwd_ms: float = 0.0
     """The model's code between blocks, which every stage runs per F (the profile's)."""
 
@@ -227,6 +232,8 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_num_params=prefix(num_params), tied_part_bytes=tied,
         tied_whole_bytes=round(tied_whole * per_param), overhead=setup.runtime_overhead,
         glue_fwd_ms=profile.setup.glue_fwd_ms,
+        shard_blocks=np.array([parse_shard(b.name) is not None for b in blocks], dtype=bool),
+        head_grad_ms=profile.setup.head_grad_ms,
     )
 
 
@@ -304,7 +311,8 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     return StageCost(
         fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms,
         bwd_input_ms=bwd_in + bwd_extra,
-        bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
+        bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first])
+        + _head_grad_ms(arrays, first, last),
         static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
         activation_bytes=act,
         input_bytes=input_bytes,
@@ -323,6 +331,12 @@ def _stage_tied(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
         return 0, 0
     part = int(arrays.tied_part_bytes[first:last + 1].sum())
     return (arrays.tied_whole_bytes if part else 0), part
+
+
+def _head_grad_ms(arrays: BlockArrays, first: int, last: int) -> float:
+    """The full-size head gradient write, once if the stage holds vocabulary shards."""
+    shards = arrays.shard_blocks
+    return arrays.head_grad_ms if shards is not None and shards[first:last + 1].any() else 0.0
 
 
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,

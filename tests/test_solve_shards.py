@@ -140,12 +140,13 @@ def test_a_shard_holds_the_full_size_gradient_it_writes():
 
 
 def test_auto_keeps_the_head_whole_when_the_gradient_writes_cost_more():
-    """The plan of test_auto_granularity_beats_whole_layers_on_a_heavy_head, but each of
-    the 24 shards writes a 1 ms gradient: 24 ms more backward than the head's, so the
-    split cannot win (whole: 84.36 ms) and auto keeps the head whole with a note."""
+    """The plan of test_auto_granularity_beats_whole_layers_on_a_heavy_head, but each
+    stage with shards writes a 5 ms gradient: shards on both ranks give rank 0 15.36 + 5
+    ms a microbatch (4 * 20.36 + 20 = 101.4 ms), all on rank 1 the whole head + 5 ms,
+    so the split cannot win (whole: 84.36 ms) and auto keeps the head whole with a note."""
     profile = _splittable()
     slow = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
-                                                                  head_grad_ms=1.0))
+                                                                  head_grad_ms=5.0))
     kwargs = {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}
     plan = make_plan(slow, **kwargs)
     assert plan.predicted_step_ms == pytest.approx(84.36, rel=0.01)

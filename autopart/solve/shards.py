@@ -11,11 +11,12 @@ Parameters are divided by the same fraction (``num_params``, what each shard
 computes with), but the runtime holds the whole head weight on every rank with a
 shard (it indexes its rows), with a full-size gradient and optimizer state: the cost
 model counts the head's whole weight once on each such rank (``autopart.cost``), and
-each shard's backward writes a full-size gradient (zeros outside its rows) before
-adding it to the weight's, so a shard's workspace carries one head weight and its W
-the time of that zero-fill + add (``ProfileSetup.head_grad_ms``, measured on cpu and
-cuda, estimated from memory bandwidth on analytical profiles; a profile without it
-gets a note).
+a stage's backward of its shards (one slice of the weight's rows) writes a full-size
+gradient (zeros outside its rows) before adding it to the weight's, so a shard's
+workspace carries one head weight and each stage with shards pays the time of that
+zero-fill + add once per microbatch in its W (``ProfileSetup.head_grad_ms``, measured
+on cpu and cuda, estimated from memory bandwidth on analytical profiles; a profile
+without it gets a note; ``autopart.cost.stage_cost`` adds it).
 ``k`` makes a shard about a quarter of the smallest decoder layer (or half-layer):
 ``ceil(4 * head / unit)``, within 2..64, so that stages of uneven layer halves can
 still be levelled by the shards after them.
@@ -83,8 +84,8 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
     return split_head(profile, num), [
         f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
         f"rank with a shard holds the whole head weight ({head.num_params / 1e6:.1f}M "
-        f"parameters, counted once per rank) and each shard's backward writes a full-size "
-        f"gradient of it ({grad})"]
+        f"parameters, counted once per rank) and each stage with shards writes a full-size "
+        f"gradient of it per microbatch ({grad})"]
 
 
 def splits_head(profile: Profile) -> bool:
@@ -125,7 +126,7 @@ def faster_of_split_or_whole(plan_on: Callable[[Profile], Plan], profile: Profil
     return dataclasses.replace(whole, notes=(*whole.notes, (
         f"{head} kept whole: split into {num_shards(profile)} vocabulary shards the step is "
         f"predicted {split.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} "
-        f"ms (every shard writes a full-size gradient of the head weight)")))
+        f"ms (every stage with shards writes a full-size gradient of the head weight)")))
 
 
 def num_shards(profile: Profile) -> int:
@@ -146,7 +147,6 @@ def split_head(profile: Profile, num: int) -> Profile:
     setup = profile.setup
     carry = _CARRY_VALUES * 4 * setup.micro_batch_size * max(setup.seq_len - 1, 1)
     hidden = profile.blocks[-2].output_bytes if len(profile.blocks) > 1 else 0
-    grad_ms = setup.head_grad_ms
     shards = []
     for i, name in enumerate(shard_names(head.name, num)):
         lo, hi = vocab_range(i, num, rows)
@@ -156,9 +156,8 @@ def split_head(profile: Profile, num: int) -> Profile:
             return round(total * hi / rows) - round(total * lo / rows)
 
         shards.append(dataclasses.replace(
-            head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac + grad_ms,
-            bwd_input_ms=head.bwd_input_ms * frac,
-            bwd_weight_ms=head.bwd_weight_ms * frac + grad_ms,
+            head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
+            bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
             activation_bytes=round(head.activation_bytes * frac),
             transient_bytes=round(head.transient_bytes * frac) + head.param_bytes,
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
