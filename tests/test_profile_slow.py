@@ -29,7 +29,7 @@ def test_sum_of_blocks_matches_the_whole_model(one_thread):
     bench = _load("bench_profile_accuracy")
     config = bench.make_config(256, 4, 4096, 128)
     ratios = []
-    for _ in range(2):
+    for _ in range(3):  # the median of three outlasts one run disturbed by other load
         whole = bench.time_whole_model(config, 128, 2, 6)
         blocks = bench.time_blocks(config, 128, 2, 6)
         ratios.append(blocks / whole)
