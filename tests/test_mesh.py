@@ -194,3 +194,15 @@ def test_zero1_sync_is_a_reduce_scatter_of_grads_and_an_all_gather_of_params():
     want = ring_all_gather_ms(4 * n, 2, 1e9, 0.01) + ring_all_gather_ms(2 * n, 2, 1e9, 0.01)
     assert result.plan.grad_sync_ms == pytest.approx(want)
     assert result.plan.zero_stage == 1 and result.plan.setup.zero_stage == 1
+
+
+def test_a_tp_plan_says_how_autopart_runtime_differs_and_a_pp_plan_does_not():
+    """The planner models TP as Megatron runs it; autopart's runtime runs it otherwise,
+    and the plan says so rather than leave that gap silent."""
+    tp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=2, pp=1, dp=1,
+                    num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
+    dp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=1, pp=1, dp=2,
+                    num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
+    assert any("autopart's own runtime keeps the embedding and head whole" in note
+               for note in tp2.plan.notes)
+    assert not any("autopart's own runtime" in note for note in dp2.plan.notes)

@@ -80,6 +80,16 @@ class MeshResult:
     candidates: tuple[MeshCandidate, ...]
 
 
+_RUNTIME_TP_NOTE = (
+    "tensor parallelism is planned as Megatron and NxD run it (sequence parallelism, "
+    "vocabulary-parallel embedding and head), which the nxd and megatron exports set up; "
+    "autopart's own runtime keeps the embedding and head whole and has no sequence "
+    "parallelism, so under auto_pipeline those blocks need more memory and time than this "
+    "plan says")
+"""Said on every plan with tp > 1, so the gap between the model and autopart's runtime is
+never silent."""
+
+
 def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
                dp: int | str = "auto", num_blocks: int,
                global_batch_size: int | None = None,
@@ -258,7 +268,7 @@ def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[
     per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
                     for i in range(s.first_block_idx, s.last_block_idx + 1))
                 for r in range(pp)]
-    notes = plan.notes + (sharded.model.notes[-1],) if tp > 1 else plan.notes
+    notes = plan.notes + (sharded.model.notes[-1], _RUNTIME_TP_NOTE) if tp > 1 else plan.notes
     plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
                                grad_sync_ms=sync, notes=notes)
     return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
