@@ -6,8 +6,9 @@ layers, so the head (lm_head + loss) costs more than all the layers together and
 is the wall of any whole-block split over 2 ranks. Profiles it on CPU with one
 thread (as each rank runs), measures the local gloo link, then plans pp=2, 1F1B,
 m fixed, ``partition="optimal"`` twice: ``granularity="layer"`` (whole blocks, the
-best a partitioner without a head split can do) and ``granularity="auto"`` (the
-head split into vocabulary shards, ``lm_head.shard<i>of<k>``). Both run for real
+best a partitioner without a head split can do) and ``granularity="sublayer"`` (the
+head split into vocabulary shards, ``lm_head.shard<i>of<k>``), and says which of the
+two ``auto`` picks. Both run for real
 under ``autopart.verify`` (2 spawned gloo ranks, one thread each). Prints per plan
 its cut, predicted and measured step with the error, per-rank memory, and the
 head split's speed-up over the whole-block plan, predicted and measured. Run it on
@@ -66,7 +67,12 @@ def main() -> None:
                                  schedule="1f1b", virtual_stages=1, granularity=granularity,
                                  link_latency_ms=latency_ms,
                                  link_bandwidth_bytes_per_s=bandwidth)
-                 for name, granularity in (("head split", "auto"), ("whole blocks", "layer"))}
+                 for name, granularity in (("head split", "sublayer"), ("whole blocks", "layer"),
+                                           ("auto", "auto"))}
+        auto = plans.pop("auto")
+        print(f"auto granularity: cut after {auto.pipeline_cuts[0]} "
+              f"({'head split' if auto.granularity == 'sublayer' else 'head whole'}); "
+              f"gradient write per shard stage {profile.setup.head_grad_ms:.2f} ms (measured)")
         settings = RunSettings(model=model, steps=args.steps, warmup=args.warmup,
                                threads_per_rank=1)
         reports = {}
