@@ -37,6 +37,7 @@ def mesh_kwargs(args: argparse.Namespace, device: str | None, profile: Profile) 
     return {"devices": args.devices, "spec": load_device_spec(device),
             "tp": parse_size(args.tp, "--tp"), "pp": parse_size(args.pp, "--pp"),
             "dp": parse_size(args.dp, "--dp"), "zero_stage": args.zero,
+            "sequence_parallel": args.sequence_parallel == "on",
             "shard_of": lambda tp: profile_tp_shard(profile, tp)}
 
 

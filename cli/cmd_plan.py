@@ -47,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", default="auto", help="with --devices: data-parallel size or auto")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1],
                    help="with --devices: 1 shards optimizer state across dp (ZeRO-1)")
+    p.add_argument("--sequence-parallel", default="on", choices=["on", "off"],
+                   help="with --devices: TP with sequence parallelism (on, as Megatron and "
+                        "NxD run it: every activation split, block times scaled) or without "
+                        "(off: norms and dropout whole; analytical profiles take the TP "
+                        "shard's own profiled times)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-size", type=int, default=None, metavar="B",
                        help="samples per step. Without --devices: per data-parallel "
@@ -126,8 +131,10 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
     if args.devices is None:
         if args.pp is None:
             raise PlanError("give --pp N, or --devices N to plan the tp x pp x dp mesh")
-        if args.tp != "auto" or args.dp != "auto" or args.zero:
-            raise PlanError("--tp, --dp and --zero need --devices N (the number of devices)")
+        if args.tp != "auto" or args.dp != "auto" or args.zero or \
+                args.sequence_parallel != "on":
+            raise PlanError("--tp, --dp, --zero and --sequence-parallel need --devices N "
+                            "(the number of devices)")
         if not args.pp.isdigit() or int(args.pp) < 1:
             raise PlanError(f"--pp must be >= 1, got {args.pp}")
     virtual = args.virtual_stages

@@ -20,7 +20,7 @@ from autopart.mesh_cost import (
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
 from autopart.profile.tp_shard import shard_config
-from autopart.schema import BLOCK_KINDS, TrainingSetup
+from autopart.schema import BLOCK_KINDS, Plan, TrainingSetup
 from autopart.solve.mesh import mesh_sizes, plan_mesh
 from cli.main import main
 
@@ -131,7 +131,8 @@ def test_cli_mesh_errors_are_one_line(tmp_path, capsys):
         (["--devices", "16", "--device", "h100", "--tp", "16"], "larger than a node"),
         (["--devices", "16", "--device", "h100", "--dp", "4", "--global-batch-size", "6"],
          "not divisible by --dp 4"),
-        (["--pp", "2", "--tp", "2"], "--tp, --dp and --zero need --devices"),
+        (["--pp", "2", "--tp", "2"], "--tp, --dp, --zero and --sequence-parallel need"),
+        (["--pp", "2", "--sequence-parallel", "off"], "--sequence-parallel need --devices"),
         ([], "give --pp N, or --devices N"),
     ]:
         assert main(["plan", str(path), *args]) == 2
@@ -206,3 +207,20 @@ def test_a_tp_plan_says_how_autopart_runtime_differs_and_a_pp_plan_does_not():
     assert any("autopart's own runtime keeps the embedding and head whole" in note
                for note in tp2.plan.notes)
     assert not any("autopart's own runtime" in note for note in dp2.plan.notes)
+
+
+def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
+    """--sequence-parallel off reaches the cost model: the TP note says activations are
+    kept as without sequence parallelism, where the default splits them all by tp."""
+    path = tmp_path / "p.json"
+    path.write_text(llama_like(4).to_json())
+    notes = {}
+    for flag in ("on", "off"):
+        out = tmp_path / f"{flag}.json"
+        assert main(["plan", str(path), "--devices", "2", "--device", "h100", "--tp", "2",
+                     "--microbatches", "2", "--sequence-parallel", flag,
+                     "--out", str(out)]) == 0
+        notes[flag] = " ".join(Plan.from_json(out.read_text()).notes)
+    capsys.readouterr()
+    assert "as without sequence parallelism" in notes["off"]
+    assert "activations / 2" in notes["on"]

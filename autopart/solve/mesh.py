@@ -81,11 +81,11 @@ class MeshResult:
 
 
 _RUNTIME_TP_NOTE = (
-    "tensor parallelism is planned as Megatron and NxD run it (sequence parallelism, "
-    "vocabulary-parallel embedding and head), which the nxd and megatron exports set up; "
-    "autopart's own runtime keeps the embedding and head whole and has no sequence "
-    "parallelism, so under auto_pipeline those blocks need more memory and time than this "
-    "plan says")
+    "tensor parallelism is planned as Megatron and NxD run it (vocabulary-parallel embedding "
+    "and head, and sequence parallelism unless --sequence-parallel off), which the nxd and "
+    "megatron exports set up; autopart's own runtime keeps the embedding and head whole and "
+    "has no sequence parallelism, so under auto_pipeline those blocks need more memory and "
+    "time than this plan says")
 """Said on every plan with tp > 1, so the gap between the model and autopart's runtime is
 never silent."""
 
