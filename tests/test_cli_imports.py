@@ -19,6 +19,8 @@ def test_plan_imports_neither_torch_nor_transformers(tmp_path):
             f"rc = main(['plan', {str(path)!r}, '--pp', '2', '--schedule', '1f1b', "
             "'--format', 'json']); "
             "print('torch' in sys.modules, 'transformers' in sys.modules, rc, file=sys.stderr)")
+    # From tmp_path: in the repository root ``-c`` would import the source tree's
+    # autopart, which has no autopart.cli (CI installs non-editable).
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+                         timeout=120, check=True, cwd=tmp_path)
     assert out.stderr.split()[-3:] == ["False", "False", "0"]
