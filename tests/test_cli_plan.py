@@ -161,3 +161,17 @@ def test_plan_precision_sets_static_bytes(profile_path, tmp_path, capsys, precis
     assert f"{per_param} B per parameter" in capsys.readouterr().out
     plan = Plan.load(out_path)
     assert all(s.static_bytes == per_param * s.param_count for s in plan.stages)
+
+
+def test_json_on_stdout_is_only_the_plan_when_the_ilp_runs(tmp_path):
+    """highspy prints a banner from C++ when it is constructed; ``--format json`` piped to
+    another program must still be the plan alone (a fresh process, so fd 1 is a pipe)."""
+    pytest.importorskip("highspy")
+    path = tmp_path / "p.json"
+    llama_like(6).save(str(path))
+    result = subprocess.run(
+        [sys.executable, "-c", "from autopart.cli.main import main; raise SystemExit(main())",
+         "plan", str(path), "--pp", "2", "--schedule", "interleaved-1f1b",
+         "--virtual-stages", "2", "--microbatches", "4", "--solver", "ilp", "--format", "json"],
+        capture_output=True, text=True, check=True, timeout=120, cwd=tmp_path)
+    assert json.loads(result.stdout)["solver"]["name"] == "ilp"

@@ -24,8 +24,12 @@ imported inside the functions only.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.util
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +106,29 @@ def _node_limited_highs():
     return NodeLimitedHiGHS
 
 
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """Keep the solver's native output off file descriptor 1.
+
+    highspy prints its banner from C++ when PuLP constructs it, whatever ``msg`` says,
+    and ``autopart plan --format json`` writes the plan to stdout: the banner would
+    precede the JSON. The C library's buffers are flushed before stdout comes back.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError, AttributeError):
+                    ctypes.CDLL(None).fflush(None)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def rank_objective(chain: Chain, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool],
                    stage_ranks: Sequence[int], num_microbatches: int) -> float:
     """The ILP objective of a given split (used to re-evaluate and in tests)."""
@@ -163,7 +190,8 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
     tie = _TIE_WEIGHT * chain.total_time_ms / max(1, chain.num_blocks * num_stages)
     model.prob += ((num_microbatches - 1) * slowest + pulp.lpSum(times) * (1.0 / num_virtual)
                    + tie * pulp.lpSum(model.blocks_up_to(s) for s in range(num_stages - 1)))
-    model.prob.solve(solver)
+    with _native_stdout_silenced():
+        model.prob.solve(solver)
     if model.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         _LOG.info("ILP found no plan (status %s)", pulp.LpStatus[model.prob.status])
         return None
