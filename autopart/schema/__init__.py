@@ -1,0 +1,51 @@
+"""Data contracts between phases: Profile, TrainingSetup, Plan, and their JSON.
+
+JSON reading and writing lives in ``autopart.jsonio`` (``JsonFile``). Keys listed in
+DESIGN.md are the stable minimum; the extra keys here sit beside them.
+"""
+
+from autopart.schema.plan import (
+    PRECISIONS,
+    BaselineResult,
+    Plan,
+    RankPlan,
+    SolverInfo,
+    StagePlan,
+    TrainingSetup,
+    default_precision,
+    precision_fields,
+    setup_fields_with_precision,
+)
+from autopart.schema.profile import (
+    BLOCK_KINDS,
+    DTYPE_BYTES,
+    GRANULARITIES,
+    OPTIMIZERS,
+    BlockProfile,
+    ModelInfo,
+    Profile,
+    ProfileSetup,
+    RuntimeOverhead,
+)
+
+__all__ = [
+    "BLOCK_KINDS",
+    "BaselineResult",
+    "BlockProfile",
+    "DTYPE_BYTES",
+    "GRANULARITIES",
+    "ModelInfo",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "Plan",
+    "Profile",
+    "ProfileSetup",
+    "RankPlan",
+    "RuntimeOverhead",
+    "SolverInfo",
+    "StagePlan",
+    "TrainingSetup",
+    "default_precision",
+    "precision_fields",
+    "setup_fields_with_precision",
+]

@@ -1,0 +1,226 @@
+"""The profile's contract: blocks, the model, how it was measured, the machine check."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopart.errors import SchemaError
+from autopart.jsonio import SCHEMA_VERSION, JsonFile
+
+BLOCK_KINDS = ("embedding", "decoder_layer", "attention", "mlp", "norm", "head", "block")
+"""``attention`` and ``mlp``: the two halves of a decoder layer (``sublayer`` granularity)."""
+GRANULARITIES = ("layer", "sublayer")
+_NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
+                              "activation_bytes", "output_bytes", "transient_bytes",
+                              "num_params", "compile_ms")
+OPTIMIZERS = ("adam", "sgd", "none")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockProfile:
+    """Cost of one block for one microbatch on one device."""
+
+    name: str
+    """FQN of the block's module in the original model (the head block is named by
+    its output projection, e.g. ``lm_head``; the loss runs inside it). Plans at
+    ``auto`` granularity may split the head into vocabulary shard blocks
+    ``lm_head.shard<i>of<k>`` (rows ``[i*V//k, (i+1)*V//k)``, ``autopart.intake.head_split``);
+    they appear in plans' ``stages[].modules`` and ``pipeline_cuts``."""
+    kind: str
+    """One of ``BLOCK_KINDS``."""
+    fwd_ms: float
+    bwd_ms: float
+    """Full backward (B + W)."""
+    bwd_input_ms: float
+    """B: gradient with respect to the block's input."""
+    bwd_weight_ms: float
+    """W: gradient with respect to the block's weights."""
+    param_bytes: int
+    activation_bytes: int
+    """Bytes kept alive from forward to backward (parameters excluded, shared storage once)."""
+    output_bytes: int
+    """The block's output for one microbatch: what crosses a cut after this block."""
+    transient_bytes: int
+    """Peak workspace above inputs + saved activations while the block runs."""
+    num_params: int = 0
+    fwd_ms_spread: float = 0.0
+    """Relative spread of the timed repeats: (p75 - p25) / median."""
+    bwd_ms_spread: float = 0.0
+    measured: tuple[str, ...] = ()
+    """Names of the fields above that were measured; every other figure was estimated."""
+    reused_from: str | None = None
+    """Name of the identical block whose measurement was reused, if any."""
+    compile_ms: float = 0.0
+    """Compilation time outside the timed region (XLA backend)."""
+    class_name: str = ""
+    """Class of the block's module (e.g. ``LlamaDecoderLayer``)."""
+    modules: tuple[str, ...] = ()
+    """Every module FQN of the block, in call order, when it fuses several (GPT-2's
+    ``transformer.wte`` and ``transformer.wpe``); empty means just ``name``."""
+    expert_load: tuple[float, ...] = ()
+    """MoE layers: (max / mean, min / mean) tokens per expert over the profiled routing."""
+    noisy: bool = False
+    """The measurement was disturbed: its repeats still spread more than 20% after
+    re-measuring, or a re-measure disagreed (then the median of three is kept)."""
+    num_measurements: int = 1
+    """How many times the block's call was timed (more when it was disturbed)."""
+    layer: str = ""
+    """FQN of the decoder layer this block is a half of (``attention`` / ``mlp`` kinds)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in BLOCK_KINDS:
+            raise SchemaError(f"block {self.name!r} has kind {self.kind!r}, expected one of "
+                              f"{BLOCK_KINDS}")
+        for name in _NON_NEGATIVE_BLOCK_FIELDS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise SchemaError(f"block {self.name!r} has {name} = {value!r}, expected a "
+                                  f"finite number >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelInfo:
+    """What model a profile describes."""
+
+    name: str
+    fingerprint: str
+    """Hash of the block chain (names, kinds, parameter shapes): plans check it."""
+    num_params: int
+    source: str = ""
+    family: str = ""
+    """``llama``, ``qwen2``, ... for HF causal LMs; ``sequential`` or ``traced`` otherwise."""
+    tied_embeddings: bool = False
+    vocab_size: int = 0
+    hidden_size: int = 0
+    num_layers: int = 0
+    layer_classes: tuple[str, ...] = ()
+    """Class names of the repeated layers (NxD's ``transformer_layer_cls``)."""
+    shared_modules: tuple[str, ...] = ()
+    """Parameter-free modules every stage needs (e.g. ``model.rotary_emb``)."""
+    head_split_rows: int = 0
+    """Rows of the head's weight when the head can be split by vocabulary (an HF causal
+    LM whose ``nn.Linear`` head's output is returned unchanged), else 0; planning at
+    ``auto`` granularity splits it into shard blocks (``autopart.intake.head_split``)."""
+    notes: tuple[str, ...] = ()
+    """One line each on how the model is served: eager attention where transformers
+    has no SDPA for the family, blocks fused because no exact cut separates their
+    modules, MoE routing spread, a router auxiliary loss the pipeline does not add."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileSetup:
+    """How a profile was taken (provenance)."""
+
+    backend: str
+    """``cpu``, ``cuda``, ``xla`` or ``analytical:<device>``."""
+    device_name: str
+    dtype: str
+    micro_batch_size: int
+    seq_len: int
+    torch_version: str
+    transformers_version: str = ""
+    num_warmup: int = 0
+    num_repeats: int = 0
+    time_source: str = "measured"
+    """``measured`` or ``estimated`` (analytical)."""
+    memory_source: str = "measured"
+    """``measured`` (allocator / saved-tensor hooks) or ``computed`` (shapes on meta)."""
+    num_threads: int = 0
+    glue_fwd_ms: float = 0.0
+    """The model's own code between blocks (masks, rotary tables, embedding scaling) for
+    one microbatch's forward; every pipeline stage runs it per F (0: not measured)."""
+    head_grad_ms: float = 0.0
+    """A zero-fill + add of a tensor the size of the head's weight: the full-size gradient
+    each vocabulary shard's backward writes (``autopart.profile.head_grad``); measured
+    or estimated as ``time_source`` says (0: not recorded)."""
+    load_average: tuple[float, ...] = ()
+    """1-minute load average before and after measuring (empty for analytical profiles):
+    above the core count, other work shared the CPU and the times are suspect."""
+    attn_implementation: str = ""
+    """HF attention kernel the model was profiled with (``sdpa``, or ``eager`` where the
+    family has no SDPA path); empty for other models."""
+    granularity: str = "layer"
+    """``sublayer``: decoder layers were profiled as two halves each (profiles without
+    the key are ``layer``)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise SchemaError(f"granularity {self.granularity!r} is not one of "
+                              f"{GRANULARITIES}; profile again with --granularity")
+        if self.micro_batch_size < 1 or self.seq_len < 1:
+            raise SchemaError(f"micro_batch_size ({self.micro_batch_size}) and seq_len "
+                              f"({self.seq_len}) must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeOverhead:
+    """The pipeline runtime's own work on one machine, measured once with empty stages.
+
+    ``autopart calibrate --machine`` runs ``torch.distributed.pipelining`` with stages
+    that compute almost nothing; what their actions still cost is the runtime's
+    (``autopart.verify.machine``). The cost model adds it to every stage's F and B and
+    every step (``autopart.cost``), so block times stay the blocks' own.
+    """
+
+    fwd_action_ms: float
+    """Per forward action (``forward_one_chunk``), beyond the blocks' compute."""
+    bwd_action_ms: float
+    """Per backward action (``backward_one_chunk``), beyond the blocks' compute; the
+    weight-only W actions of zero-bubble schedules are not charged."""
+    p2p_ms: float
+    """Per send or receive a rank posts (charged to the F or B that posts it)."""
+    step_ms: float
+    """Per step: schedule set-up, microbatch split, loss bookkeeping, gradient scaling."""
+    link_latency_ms: float
+    """One-way latency of a small message between two ranks of this machine."""
+    link_bandwidth_bytes_per_s: float
+    """Bandwidth of a 4 MiB message between two ranks of this machine."""
+    backend: str
+    """Process-group backend it was measured on (``gloo``, ``nccl``)."""
+    num_threads: int
+    """torch threads per rank during the check."""
+    hostname: str = ""
+    torch_version: str = ""
+    measured_at: str = ""
+    """UTC time of the check (ISO 8601)."""
+    load_average: float = 0.0
+    """1-minute load average when the check started."""
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_action_ms", "bwd_action_ms", "p2p_ms", "step_ms", "link_latency_ms"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise SchemaError(f"runtime overhead {name} = {value!r}, expected a finite "
+                                  f"number >= 0; run `autopart calibrate --machine` again")
+        if not self.link_bandwidth_bytes_per_s > 0:
+            raise SchemaError(f"runtime overhead link bandwidth must be positive, got "
+                              f"{self.link_bandwidth_bytes_per_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile(JsonFile):
+    """Per-block latency and memory of a model on a device (``autopart profile``)."""
+
+    _json_what = "profile"
+    _json_remedy = "autopart profile"
+
+    model: ModelInfo
+    setup: ProfileSetup
+    blocks: tuple[BlockProfile, ...]
+    schema_version: int = SCHEMA_VERSION
+    calibration: dict[str, Any] = field(default_factory=dict)
+    """Set when measured stage times were folded back in (``--calibrate``)."""
+    runtime_overhead: RuntimeOverhead | None = None
+    """The machine check of this machine at the profile's thread count, when one was run
+    (``autopart calibrate --machine``); plans add it to the stage and step times."""
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.blocks]
+        if not names:
+            raise SchemaError("a profile needs at least one block")
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise SchemaError(f"block names must be unique, {twice} repeat")
