@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -88,3 +88,28 @@ def init_real(model: nn.Module) -> nn.Module:
         model._init_weights(module)
     model.tie_weights()
     return model
+
+
+class Reference(NamedTuple):
+    """The unpipelined model's run that the exactness tests compare with."""
+
+    state: dict[str, torch.Tensor]
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    labels: torch.Tensor
+    loss: float
+    grads: dict[str, torch.Tensor]
+
+
+def reference_run(config) -> Reference:
+    """``real_model(config)`` on a padded batch of 4 x 12: its weights, the batch, its loss
+    and every parameter's gradient."""
+    from runtime_helpers import padded_batch
+
+    reference = real_model(config)
+    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    input_ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq_len=12)
+    out = reference(input_ids=input_ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    return Reference(state, input_ids, mask, labels, out.loss.item(), grads)

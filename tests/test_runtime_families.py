@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, FAMILIES_ALL, real_model, tiny_config
-from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
+from families import FAMILIES, FAMILIES_ALL, real_model, reference_run, tiny_config
+from runtime_helpers import make_stage_plan, max_grad_diffs, run_ranks
 
 from autopart.intake import discover_blocks
 from autopart.intake.sources import build_hf_model
@@ -27,12 +27,7 @@ PLANS = {"1f1b": [4, 3], "interleaved-1f1b": [2, 2, 1, 2]}
 
 def _worker(rank: int, world_size: int, model_type: str, tie: bool) -> dict:
     config = tiny_config(model_type, tie_word_embeddings=tie)
-    reference = real_model(config)
-    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    input_ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq_len=12)
-    ref = reference(input_ids=input_ids, attention_mask=mask, labels=labels)
-    ref.loss.backward()
-    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    state, input_ids, mask, labels, ref_loss, ref_grads = reference_run(config)
     chain = discover_blocks(build_hf_model(tiny_config(model_type, tie_word_embeddings=tie)))
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
     results = {}
@@ -47,7 +42,7 @@ def _worker(rank: int, world_size: int, model_type: str, tie: bool) -> dict:
         loss = pipe.step(input_ids, target=labels, attention_mask=mask)
         diffs = max_grad_diffs(pipe.named_parameters(), ref_grads, aliases)
         results[schedule] = {"loss": None if loss is None else loss.item(),
-                             "ref_loss": ref.loss.item(), "max_grad_diff": max(diffs.values()),
+                             "ref_loss": ref_loss, "max_grad_diff": max(diffs.values()),
                              "worst": max(diffs, key=diffs.get), "num_params": len(diffs)}
     return results
 

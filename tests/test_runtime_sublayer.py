@@ -12,8 +12,8 @@ exactly the original model's keys.
 from __future__ import annotations
 
 import pytest
-from families import real_model, tiny_config
-from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
+from families import reference_run, tiny_config
+from runtime_helpers import make_stage_plan, max_grad_diffs, run_ranks
 
 from autopart.intake import discover_blocks
 from autopart.intake.head_split import shard_names
@@ -45,16 +45,11 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict,
             recompute: bool) -> dict:
     tie = model_type in TIED
     config = tiny_config(model_type, tie_word_embeddings=tie)
-    reference = real_model(config)
-    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    input_ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq_len=12)
-    ref = reference(input_ids=input_ids, attention_mask=mask, labels=labels)
-    ref.loss.backward()
-    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    state, input_ids, mask, labels, ref_loss, ref_grads = reference_run(config)
     chain = discover_blocks(build_hf_model(config), granularity="sublayer")
     assert chain.granularity == "sublayer" and len(chain.blocks) == 11, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
-    results = {"ref_loss": ref.loss.item(), "ref_keys": sorted(state)}
+    results = {"ref_loss": ref_loss, "ref_keys": sorted(state)}
     for key, counts in plans.items():
         schedule, _, shards = key.partition(":")
         names = chain.names[:-1] + (shard_names(chain.names[-1], int(shards)) if shards
