@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_verify_heavy_head import _row, measure_link
+from bench_verify_heavy_head import measure_link, print_reports
 
 from autopart.profile import profile_model
 from autopart.solve import make_plan
@@ -96,18 +96,7 @@ def _print_table(reports: dict[str, RunReport], profile, args: argparse.Namespac
     print(f"heavy-head-llama-{NUM_LAYERS}l, pp=2, 1f1b, m={args.microbatches}, micro batch "
           f"{args.micro_batch_size} x {args.seq_len}, {args.steps} timed steps; head F+B "
           f"{head_ms:.1f} ms vs all layers {layer_ms:.1f} ms (profiled)")
-    head = ["plan", "pred ms", "meas ms", "err", "spread"]
-    for r in range(2):
-        head += [f"r{r} pred MiB", f"r{r} meas MiB", f"r{r} err"]
-    rows = [head] + [_row(name, rep) for name, rep in reports.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    for row in rows:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-    for name, rep in reports.items():
-        stages = ", ".join(f"s{s.index} F {s.measured_fwd_ms:.1f}/{s.predicted_fwd_ms:.1f} "
-                           f"B {s.measured_bwd_ms:.1f}/{s.predicted_bwd_ms:.1f}"
-                           for s in rep.stages)
-        print(f"  {name}: measured/predicted ms per microbatch: {stages}")
+    print_reports(reports, with_waits=False)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,12 @@ def _cross_check(profile, plans, reports, latency_ms, bandwidth, args) -> None:
 def _print_table(reports: dict[str, RunReport], args: argparse.Namespace) -> None:
     print(f"{MODEL}, pp=2, 1f1b, m={args.microbatches}, micro batch {args.micro_batch_size} x "
           f"{args.seq_len}, {args.steps} timed steps; memory: {reports['optimal'].memory_method}")
+    print_reports(reports)
+
+
+def print_reports(reports: dict[str, RunReport], with_waits: bool = True) -> None:
+    """One row per plan (step and per-rank memory, predicted vs measured), then each
+    plan's per-stage F and B (and with ``with_waits`` each rank's busy / wait / CPU)."""
     head = ["plan", "pred ms", "meas ms", "err", "spread"]
     for r in range(2):
         head += [f"r{r} pred MiB", f"r{r} meas MiB", f"r{r} err"]
@@ -154,9 +160,10 @@ def _print_table(reports: dict[str, RunReport], args: argparse.Namespace) -> Non
         stages = ", ".join(f"s{s.index} F {s.measured_fwd_ms:.1f}/{s.predicted_fwd_ms:.1f} "
                            f"B {s.measured_bwd_ms:.1f}/{s.predicted_bwd_ms:.1f}"
                            for s in rep.stages)
-        waits = ", ".join(f"r{r.rank} busy {r.measured_busy_ms:.0f} wait {r.measured_wait_ms:.0f} "
-                          f"cpu {r.measured_cpu_ms:.0f} ms" for r in rep.ranks)
-        print(f"  {name}: measured/predicted ms per microbatch: {stages}; {waits}")
+        waits = "; " + ", ".join(
+            f"r{r.rank} busy {r.measured_busy_ms:.0f} wait {r.measured_wait_ms:.0f} "
+            f"cpu {r.measured_cpu_ms:.0f} ms" for r in rep.ranks) if with_waits else ""
+        print(f"  {name}: measured/predicted ms per microbatch: {stages}{waits}")
 
 
 if __name__ == "__main__":
