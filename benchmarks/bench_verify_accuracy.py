@@ -7,7 +7,8 @@ Runs, in one process and one go:
 2. for a heavy-head model (``heavy-head-llama``: vocabulary 32768 vs hidden 256) and
    a model with millisecond blocks (a Llama config written here: hidden 128, 8
    layers, vocabulary 8192, micro batch 2 x 64 tokens; layers of 1-2 ms):
-   profile at the thread count each rank will get (``autopart profile MODEL --pp 2``),
+   profile at the thread count each rank will get, with the other rank busy
+   (``autopart profile MODEL --pp 2``),
    plan pp=2 1F1B with the optimal and the even partition, run both for real
    (``autopart verify``, 2 spawned gloo ranks) and print predicted vs measured step,
    the error, and the measured vs predicted speed-up of the plan over the even split
@@ -55,11 +56,13 @@ def _small_config(folder: str) -> str:
     return str(Path(folder) / "config.json")
 
 
-def _profile(model: str, shape: str, threads: int, check: RuntimeOverhead | None) -> Profile:
-    """``autopart profile MODEL --pp 2`` (or default threads): the machine check attached
-    when it was taken at this thread count, as the CLI does."""
+def _profile(model: str, shape: str, threads: int, check: RuntimeOverhead | None,
+             neighbours: int) -> Profile:
+    """``autopart profile MODEL --pp 2`` (``threads`` = cores / 2, one busy neighbour) or
+    with default threads, alone: the machine check attached when it was taken at this
+    thread count, as the CLI does."""
     torch.set_num_threads(threads)
-    profile = profile_model(model, backend="cpu", **SHAPES[shape])
+    profile = profile_model(model, backend="cpu", neighbours=neighbours, **SHAPES[shape])
     if check is not None and check.num_threads == threads:
         profile = dataclasses.replace(profile, runtime_overhead=check)
     return profile
@@ -111,11 +114,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ms-llama-") as folder:
         for name, model in (("heavy-head-llama", "heavy-head-llama"),
                             ("small", _small_config(folder))):
-            profile = _profile(model, name, rank_threads, check)
+            profile = _profile(model, name, rank_threads, check, neighbours=1)
             runs.append((name if name != "small" else "ms-block llama",
                          f"--pp 2 ({rank_threads}t)",
                          _run(model, profile, args, rank_threads)))
-    profile = _profile("heavy-head-llama", "heavy-head-llama", default_threads, check)
+    profile = _profile("heavy-head-llama", "heavy-head-llama", default_threads, check,
+                       neighbours=0)
     default_run = _run("heavy-head-llama", profile, args, rank_threads)
     runs.append(("heavy-head-llama", f"default ({default_threads}t)", default_run))
     load_after = os.getloadavg()

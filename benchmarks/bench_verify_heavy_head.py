@@ -100,7 +100,8 @@ def main() -> None:
     load_before = os.getloadavg()
     torch.set_num_threads(1)
     profile = profile_model(MODEL, backend="cpu", micro_batch_size=args.micro_batch_size,
-                            seq_len=args.seq_len, num_warmup=3, num_repeats=10)
+                            seq_len=args.seq_len, num_warmup=3, num_repeats=10,
+                            neighbours=1)  # as `autopart profile --pp 2` does
     boundary = max(b.output_bytes for b in profile.blocks if b.kind == "decoder_layer")
     latency_ms, bandwidth, raw = measure_link(boundary)
     print(f"gloo link (localhost): latency {latency_ms * 1e3:.0f} us, bandwidth "

@@ -57,7 +57,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "training (e.g. cores / ranks), else times do not transfer")
     p.add_argument("--pp", type=int, default=None, metavar="N",
                    help="ranks this machine will host when training: on CPU, profile with "
-                        "cores / N threads, what each rank gets (--threads wins)")
+                        "cores / N threads, what each rank gets (--threads wins), while N - 1 "
+                        "neighbour processes profile the same model, as the other ranks will "
+                        "load the CPU")
+    p.add_argument("--neighbours", type=int, default=None, metavar="K",
+                   help="CPU: neighbour processes busy while measuring (default: N - 1 with "
+                        "--pp N, else 0; 0 measures alone)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             raise ProfileError(f"--pp must be >= 1, got {args.pp}")
         if args.backend == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.pp))
+    neighbours = _neighbours(args)
     if args.out is not None:
         check_writable(args.out)  # before profiling, not after
     with progress_bar("profiling") as progress:
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             args.model, backend=args.backend, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
             num_repeats=args.repeats, layer_classes=args.layer_class,
-            granularity=args.granularity, progress=progress)
+            granularity=args.granularity, neighbours=neighbours, progress=progress)
     check = machine_check_for(profile)
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)
@@ -99,11 +105,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _neighbours(args: argparse.Namespace) -> int:
+    """Busy neighbours to measure with: ``--neighbours``, else ``--pp N`` - 1 on CPU."""
+    if args.neighbours is not None:
+        if args.neighbours < 0:
+            raise ProfileError(f"--neighbours must be >= 0, got {args.neighbours}")
+        if args.neighbours and args.backend != "cpu":
+            raise ProfileError(f"--neighbours is for the cpu backend (ranks sharing one CPU), "
+                               f"not {args.backend}; drop it")
+        return args.neighbours
+    return args.pp - 1 if args.pp is not None and args.backend == "cpu" else 0
+
+
 def _print_noise(profile: Profile, console: Console) -> None:
     """One warning line when measurements were disturbed (spread, disagreement, load)."""
     noisy = [b for b in profile.blocks if b.noisy and not b.reused_from]
     load = max(profile.setup.load_average, default=0.0)
-    busy = load > (os.cpu_count() or 1)
+    # the neighbours' own load is expected: they stand in for the other ranks
+    busy = load > max(os.cpu_count() or 1, profile.setup.neighbours + 1)
     if not noisy and not busy:
         return
     what = (f"{len(noisy)} block(s) stayed disturbed after re-measuring (spread up to "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from autopart.schema import Profile
 from cli.cmd_profile import default_filename
 from cli.main import main
@@ -72,9 +74,11 @@ def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatc
                             backend="gloo", num_threads=threads)
     save_cached_overhead(check)
     out_path = tmp_path / "p.json"
-    assert main(["profile", "tiny-llama", "--pp", "2", *FAST, "--out", str(out_path)]) == 0
+    assert main(["profile", "tiny-llama", "--pp", "2", "--neighbours", "0", *FAST,
+                 "--out", str(out_path)]) == 0
     profile = Profile.load(out_path)
     assert profile.setup.num_threads == threads
+    assert profile.setup.neighbours == 0
     assert profile.runtime_overhead == check
     assert "runtime overhead (machine check" in capsys.readouterr().out
 
@@ -85,3 +89,25 @@ def test_no_machine_check_says_how_to_run_one(tmp_path, monkeypatch, capsys, one
                  "--out", str(tmp_path / "p.json")]) == 0
     assert Profile.load(tmp_path / "p.json").runtime_overhead is None
     assert "autopart calibrate --machine --threads 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--pp", "3"], 2), (["--pp", "1"], 0), ([], 0), (["--pp", "4", "--neighbours", "1"], 1),
+    (["--pp", "2", "--backend", "analytical:h100"], 0)])
+def test_pp_n_measures_with_n_minus_1_busy_neighbours_on_cpu(argv, expected):
+    import argparse
+
+    from cli import cmd_profile
+
+    parser = argparse.ArgumentParser()
+    cmd_profile.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["profile", "m", *argv])
+    assert cmd_profile._neighbours(args) == expected
+
+
+@pytest.mark.parametrize("argv", [["--neighbours", "-1"],
+                                  ["--neighbours", "1", "--backend", "analytical:h100"]])
+def test_bad_neighbours_is_one_line_and_exit_2(argv, capsys):
+    assert main(["profile", "tiny-llama", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--neighbours" in err and len(err.splitlines()) == 1

@@ -33,6 +33,7 @@ from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine,
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
 from autopart.profile.moe import expert_counter
+from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
@@ -50,7 +51,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                   micro_batch_size: int = 1, seq_len: int = 128, dtype: str = "float32",
                   num_warmup: int = 3, num_repeats: int = 10,
                   layer_classes: list[str] | None = None, leaf_modules: list[str] | None = None,
-                  granularity: str = "layer", progress: ProgressFn | None = None) -> Profile:
+                  granularity: str = "layer", neighbours: int = 0,
+                  progress: ProgressFn | None = None) -> Profile:
     """Profile every block of ``source`` for one microbatch of training.
 
     The blocks are found by watching the model's forward (``discover_blocks``);
@@ -73,6 +75,10 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
             attention half and its MLP half (identical halves measured once); a
             family whose layers cannot be split exactly stays whole, and the
             profile's ``setup.granularity`` and notes say so.
+        neighbours: CPU only: other processes that profile the same model on this
+            machine while it is measured, standing in for the pipeline's other ranks
+            (``autopart profile --pp N``: ``N - 1``); ``source`` must then be a string
+            (``autopart.profile.neighbours``).
         progress: ``progress(done, total, block_name)`` after each block.
 
     Returns:
@@ -80,9 +86,17 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
 
     Raises:
         ModelSourceError: The model cannot be loaded or its forward not pipelined.
-        ProfileError: Bad settings, or a block failing on the backend (one line).
+        ProfileError: Bad settings, a block failing on the backend, or neighbours that
+            cannot start (one line).
     """
     backend = check_settings(backend, micro_batch_size, seq_len, dtype, num_warmup, num_repeats)
+    if neighbours and backend != "cpu":
+        raise ProfileError(f"busy neighbours are for the cpu backend (ranks sharing one CPU), "
+                           f"not {backend}; profile with neighbours=0")
+    settings = {"backend": backend, "micro_batch_size": micro_batch_size, "seq_len": seq_len,
+                "dtype": dtype, "num_warmup": num_warmup, "num_repeats": num_repeats,
+                "layer_classes": layer_classes, "leaf_modules": leaf_modules,
+                "granularity": granularity}
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     model = loaded.model
     chain = discover_blocks(model, layer_classes=layer_classes, leaf_modules=leaf_modules,
@@ -97,13 +111,17 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                                seq_len)
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
-        load_before = load_average()
-        blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
-                                          progress)
-        timed_glue = isinstance(engine, MeasuringEngine) and engine.device.type in ("cpu", "cuda")
-        glue_ms = runner.time_glue(outputs) if timed_glue else 0.0
-    info = _model_info(loaded, chain, blocks)
-    head_grad = _head_grad_ms(engine, model, chain, dtype) if info.head_split_rows else 0.0
+        with busy_neighbours(source, neighbours, torch.get_num_threads(), settings):
+            load_before = load_average()
+            blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
+                                              progress)
+            timed_glue = (isinstance(engine, MeasuringEngine)
+                          and engine.device.type in ("cpu", "cuda"))
+            glue_ms = runner.time_glue(outputs) if timed_glue else 0.0
+            info = _model_info(loaded, chain, blocks)
+            head_grad = (_head_grad_ms(engine, model, chain, dtype) if info.head_split_rows
+                         else 0.0)
+            load_after = load_average()
     setup = ProfileSetup(
         backend=backend, device_name=engine.device_name, dtype=dtype,
         micro_batch_size=micro_batch_size, seq_len=seq_len, torch_version=torch.__version__,
@@ -113,8 +131,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         time_source=engine.time_source, memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(), glue_fwd_ms=round(glue_ms, 4),
         head_grad_ms=round(head_grad, 6),
-        load_average=() if backend.startswith("analytical") else (load_before,
-                                                                   load_average()),
+        load_average=() if backend.startswith("analytical") else (load_before, load_after),
+        neighbours=neighbours,
         attn_implementation=str(getattr(getattr(model, "config", None),
                                         "_attn_implementation", "") or ""),
         granularity=chain.granularity)

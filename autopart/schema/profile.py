@@ -145,11 +145,16 @@ class ProfileSetup:
     granularity: str = "layer"
     """``sublayer``: decoder layers were profiled as two halves each (profiles without
     the key are ``layer``)."""
+    neighbours: int = 0
+    """CPU: processes that profiled the same model on this machine while it was measured,
+    standing in for the pipeline's other ranks (``--pp N``: ``N - 1``; 0: measured alone)."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
             raise SchemaError(f"granularity {self.granularity!r} is not one of "
                               f"{GRANULARITIES}; profile again with --granularity")
+        if self.neighbours < 0:
+            raise SchemaError(f"neighbours must be >= 0, got {self.neighbours}")
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise SchemaError(f"micro_batch_size ({self.micro_batch_size}) and seq_len "
                               f"({self.seq_len}) must be >= 1")
