@@ -21,6 +21,12 @@ Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per sta
   peaks after autograd freed saved tensors adds only the excess); under recompute
   the largest rebuilt block's activations come on top. The simulator adds it to the
   activations held while the stage computes, not to the rank's overall peak.
+- ``held_for_weight_bytes``, split-backward (zero-bubble) schedules only: what one
+  microbatch holds from its B until its W on top of ``activation_bytes``. torch's
+  ``stage_backward_input`` keeps the whole graph and the gradient into every op that
+  feeds a weight (the blocks' ``held_for_weight_bytes``); the first stage skips B
+  (its W runs the full backward), so it adds nothing; the last stage drops its held
+  output (the logits) at B, as the loss is all its backward state keeps.
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ class StageCost:
     tied_part_bytes: int = 0
     """The part of ``static_bytes`` that is that weight (a shard's rows, or the tied
     weight once per owning block); ``rank_static_bytes`` counts the whole once instead."""
+    held_for_weight_bytes: int = 0
+    """Split-backward schedules: bytes a microbatch holds from its B until its W on top
+    of ``activation_bytes`` (module docstring; negative when B frees more than it keeps)."""
 
     @property
     def bwd_ms(self) -> float:
@@ -184,6 +193,8 @@ class BlockArrays:
     writes a full-size gradient of the head weight (``ProfileSetup.head_grad_ms``)."""
     glue_fwd_ms: float = 0.0
     """The model's code between blocks, which every stage runs per F (the profile's)."""
+    prefix_held_for_weight: np.ndarray | None = None
+    """Prefix of the blocks' ``held_for_weight_bytes`` (None: all zero)."""
 
     @property
     def num_blocks(self) -> int:
@@ -234,6 +245,8 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         glue_fwd_ms=profile.setup.glue_fwd_ms,
         shard_blocks=np.array([parse_shard(b.name) is not None for b in blocks], dtype=bool),
         head_grad_ms=profile.setup.head_grad_ms,
+        prefix_held_for_weight=prefix(np.array([b.held_for_weight_bytes for b in blocks],
+                                               dtype=np.int64)),
     )
 
 
@@ -322,7 +335,20 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         recompute=recompute,
         tied_static_bytes=tied_whole,
         tied_part_bytes=tied_part,
+        held_for_weight_bytes=_held_for_weight(arrays, first, last),
     )
+
+
+def _held_for_weight(arrays: BlockArrays, first: int, last: int) -> int:
+    """B..W bytes on top of the activations (module docstring): none on the first stage,
+    which skips B; the blocks' kept gradients, less the held output on the last stage."""
+    prefix = arrays.prefix_held_for_weight
+    if first == 0 or prefix is None:
+        return 0
+    kept = int(prefix[last + 1] - prefix[first])
+    if last == arrays.num_blocks - 1:
+        kept -= int(arrays.held_output_bytes[last])
+    return kept
 
 
 def _stage_tied(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
@@ -373,5 +399,6 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       output_bytes=s.output_bytes, transient_bytes=s.transient_bytes,
                       param_count=s.param_count, recompute=s.recompute,
                       tied_static_bytes=s.tied_static_bytes,
-                      tied_part_bytes=s.tied_part_bytes)
+                      tied_part_bytes=s.tied_part_bytes,
+                      held_for_weight_bytes=s.held_for_weight_bytes)
             for s in plan.stages]

@@ -60,6 +60,7 @@ def fuse_halves(halves: Sequence[BlockProfile], class_name: str = "") -> BlockPr
         bwd_weight_ms=sum(h.bwd_weight_ms for h in halves),
         param_bytes=sum(h.param_bytes for h in halves),
         activation_bytes=sum(h.activation_bytes for h in halves),
+        held_for_weight_bytes=sum(h.held_for_weight_bytes for h in halves),
         output_bytes=last.output_bytes,
         transient_bytes=max(h.transient_bytes for h in halves),
         num_params=sum(h.num_params for h in halves),

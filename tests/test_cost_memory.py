@@ -68,6 +68,28 @@ def test_gpipe_holds_every_microbatch_and_its_output():
                                           240 + 400 + 4 * 664 + 500)
 
 
+def test_zero_bubble_holds_the_weight_gradients_from_b_to_w():
+    """ZBV on one rank (v = 2, m = 1) runs F0s0 F0s1 B0s1 W0s1 B0s0 W0s0. Stage 1 = l1,
+    head keeps l1's 200 and the head's 100 gradient bytes from B to W but drops its
+    logits (64) at B: 236 more while W0s1 runs (with stage 0's 508 and its workspace
+    500). Stage 0 skips B in torch (its W runs the full backward): nothing more. Static
+    480, buffers 100 + 100: 480 + 200 + 508 + 664 + 236 + 500."""
+    blocks = list(_llm().blocks)
+    blocks[2] = dataclasses.replace(blocks[2], held_for_weight_bytes=200)
+    blocks[3] = dataclasses.replace(blocks[3], held_for_weight_bytes=100)
+    blocks[1] = dataclasses.replace(blocks[1], held_for_weight_bytes=1000)
+    profile = dataclasses.replace(_llm(), blocks=tuple(blocks))
+    arrays = block_arrays(profile, SETUP)
+    costs = [stage_cost(arrays, 0, 1), stage_cost(arrays, 2, 3)]
+    assert [c.held_for_weight_bytes for c in costs] == [0, 236]
+    res = simulate(costs, schedule="zbv", pp_size=1, virtual_stages=2, num_microbatches=1,
+                   setup=SETUP)
+    assert res.rank_peak_memory_bytes == (480 + 200 + 508 + 664 + 236 + 500,)
+    one_f_one_b = simulate(costs[:1] + costs[1:], schedule="interleaved-1f1b", pp_size=1,
+                           virtual_stages=2, num_microbatches=1, setup=SETUP)
+    assert one_f_one_b.rank_peak_memory_bytes == (480 + 200 + 508 + 664 + 500,)
+
+
 def test_recompute_checkpoints_layers_only():
     """Stage 1 under recompute: l1 keeps its input (100, the receive buffer, so 0 more),
     the head is not checkpointed and keeps its 300; + logits 64. The backward re-runs

@@ -110,12 +110,24 @@ def test_profile_of_two_linears_by_hand():
     assert last.output_bytes == 4
 
 
+def test_held_for_weight_is_each_linear_output_gradient():
+    """torch's split B keeps the gradient into every weight op until W: for a Linear, the
+    gradient of its output (2 x 16 x 5 floats for the middle one). The first block has
+    no input gradient (the pipeline input), so its B keeps nothing."""
+    model = nn.Sequential(nn.Linear(12, 20), nn.Linear(20, 5), nn.Linear(5, 3))
+    profile = profile_model(model, micro_batch_size=2, **FAST)
+    assert [b.held_for_weight_bytes for b in profile.blocks] == [0, 2 * 16 * 5 * 4,
+                                                                 2 * 16 * 3 * 4]
+
+
 def test_measured_activations_match_the_shape_computation():
     """CPU measurement (real SDPA kernel) and analytical count on meta (flash stand-in) agree."""
     cpu = profile_model("tiny-llama", **FAST)
     meta = profile_model("tiny-llama", backend="analytical:h100", seq_len=16)
     assert [b.activation_bytes for b in cpu.blocks] == [b.activation_bytes for b in meta.blocks]
     assert [b.output_bytes for b in cpu.blocks] == [b.output_bytes for b in meta.blocks]
+    assert [b.held_for_weight_bytes for b in cpu.blocks] == \
+        [b.held_for_weight_bytes for b in meta.blocks]
     layer = cpu.blocks[1]
     assert layer.activation_bytes > 5 * 16 * 64 * 4 and layer.transient_bytes > 0
 

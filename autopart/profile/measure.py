@@ -14,7 +14,8 @@ Times (median of ``num_repeats`` after ``num_warmup`` warm-up iterations):
   B = 0 and W = full backward; blocks without trainable weights have W = 0.
 
 Spreads are ``(p75 - p25) / median`` of the repeats. Memory comes from one extra
-forward + backward (see ``memory_pass``).
+forward + backward (see ``memory_pass``), and one forward + B the way torch's
+split-backward schedules run it (``held_for_weight_bytes``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class MemoryFigures:
     activation_bytes: int
     output_bytes: int
     transient_bytes: int
+    held_for_weight_bytes: int = 0
+    """Gradients the block's B keeps for its W (``held_for_weight_bytes``)."""
 
 
 def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
@@ -173,7 +176,36 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
         transient = max(peak - new_saved - output_bytes - grad_bytes, 0)
     task.inputs.grad = None
     return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=output_bytes,
-                         transient_bytes=transient)
+                         transient_bytes=transient,
+                         held_for_weight_bytes=held_for_weight_bytes(task))
+
+
+def held_for_weight_bytes(task: BlockTask) -> int:
+    """Bytes of the gradients the block's B keeps alive until its W in a split backward.
+
+    Zero-bubble schedules run torch's ``stage_backward_input`` (B), which records the
+    gradient flowing into every op that feeds a weight (its ``param_groups``' grads)
+    and keeps it, with the whole graph, until ``stage_backward_weight`` (W). This runs
+    the block's forward and that B and counts those gradients, each storage once (on
+    meta too). 0 for a block without an input gradient or without trainable weights.
+    """
+    params = task.trainable()
+    if not (task.input_grad and params):
+        return 0
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    grad_out = incoming_grad(task)
+    task.inputs.grad = None
+    out = task.forward()
+    if out._is_view():  # B detaches its outputs in place (a view's copy adds no weight op)
+        out = out.clone()
+    _, groups = stage_backward_input([out], None if grad_out is None else [grad_out],
+                                     [task.inputs], iter(params))
+    kept = {storage_key(g) or id(g): g.untyped_storage().nbytes()
+            for group in groups for grads in group.get("grads") or ()
+            for g in grads if isinstance(g, torch.Tensor)}
+    task.inputs.grad = None
+    return sum(kept.values())
 
 
 def coinciding_workspace(live: LiveTensors, saved: dict[int, int], in_key: int | None,

@@ -162,6 +162,9 @@ class StagePlan:
     embedding/head, split head), if this stage holds part; a rank counts it once."""
     tied_part_bytes: int = 0
     """The part of ``static_bytes`` that is that weight."""
+    held_for_weight_bytes: int = 0
+    """Zero-bubble schedules: bytes a microbatch holds from its B until its W on top of
+    ``activation_bytes`` (``autopart.cost.StageCost``; 0 in plans written before it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

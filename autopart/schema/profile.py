@@ -14,7 +14,7 @@ BLOCK_KINDS = ("embedding", "decoder_layer", "attention", "mlp", "norm", "head",
 GRANULARITIES = ("layer", "sublayer")
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
-                              "num_params", "compile_ms")
+                              "num_params", "compile_ms", "held_for_weight_bytes")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -69,6 +69,13 @@ class BlockProfile:
     """How many times the block's call was timed (more when it was disturbed)."""
     layer: str = ""
     """FQN of the decoder layer this block is a half of (``attention`` / ``mlp`` kinds)."""
+    held_for_weight_bytes: int = 0
+    """Gradients the block's B keeps alive until its W when a zero-bubble schedule runs
+    them apart, on top of ``activation_bytes``: torch's ``stage_backward_input`` stores
+    the gradient flowing into every op that feeds a weight (one per linear layer: its
+    output's size) for ``stage_backward_weight``. Measured by the profiler (on meta for
+    ``analytical``); 0 in profiles written before this field, which models B..W as
+    holding the activations alone."""
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:

@@ -114,27 +114,34 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
     microbatches each of those stages holds then, and the column of the running stage.
     Cached.
 
-    A microbatch is held from the start of its ``F`` until the end of its releasing
+    A row has two columns per stage (``2 * len(stages)``): microbatches between their
+    ``F`` and ``B``, then (split schedules) those between their ``B`` and ``W``. A
+    microbatch is held from the start of its ``F`` until the end of its releasing
     backward (``B``, or ``W`` in split schedules), and the running stage's workspace
-    comes on top, so the rank's peak bytes during the step are
-    ``max(counts @ activation_bytes + transient_bytes[running])`` over its stages.
+    comes on top, so the rank's peak bytes during the step are ``max(counts @
+    [activation_bytes, activation_bytes + held_for_weight_bytes] +
+    transient_bytes[running])`` over its stages.
     """
     info = schedule_info(schedule)
-    release = 2 if info.split_backward else 1
     out = []
     for rank, row in enumerate(compiled_plan(schedule, pp_size, virtual_stages,
                                              num_microbatches)):
         stages = tuple(stages_of_rank(rank, pp_size, virtual_stages, info.style))
+        num = len(stages)
         column = {s: c for c, s in enumerate(stages)}
-        held = [0] * len(stages)
+        held = [0] * (2 * num)
         moments = set()
         for entry in row:
             kind, col = entry[0], column[entry[1]]
             if kind == 0:
                 held[col] += 1
             moments.add((*held, col))
-            if kind == release:
+            if kind == 1:
                 held[col] -= 1
+                if info.split_backward:
+                    held[num + col] += 1
+            elif kind == 2:
+                held[num + col] -= 1
         table = np.array(sorted(moments), dtype=np.int64)
         out.append((stages, table[:, :-1], table[:, -1]))
     return tuple(out)

@@ -20,9 +20,10 @@ Memory per rank (DESIGN.md, ``autopart.cost``): static bytes of its stages + tor
 receive buffers (``cost.recv_buffer_bytes``: an activation and a gradient buffer per
 microbatch and stage) + the most bytes held at once during an action. ``F(s, mb)``
 holds ``activation_bytes`` of stage ``s`` from its start until the end of the
-releasing backward (``B``, or ``W`` in split schedules); while an action of stage
-``s`` runs, its ``transient_bytes`` come on top of what is held (during ``F``, on top
-of this microbatch's activations too). Because a rank runs one action at a time this
+releasing backward (``B``, or ``W`` in split schedules; between the two it holds
+``held_for_weight_bytes`` more); while an action of stage ``s`` runs, its
+``transient_bytes`` come on top of what is held (during ``F``, on top of this
+microbatch's activations too). Because a rank runs one action at a time this
 peak follows from the order alone.
 """
 
@@ -335,6 +336,7 @@ def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
     for stages, counts, running in held_counts(schedule, pp_size, virtual_stages,
                                                num_microbatches):
         act = np.array([stage_costs[s].activation_bytes for s in stages], dtype=np.int64)
+        act = np.concatenate([act, act + [stage_costs[s].held_for_weight_bytes for s in stages]])
         work = np.array([stage_costs[s].transient_bytes for s in stages], dtype=np.int64)
         peak = int((counts @ act + work[running]).max())
         base = rank_static_bytes(stage_costs, stages) + sum(

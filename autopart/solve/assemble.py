@@ -93,7 +93,8 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
             activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes,
             input_bytes=cost.input_bytes, output_bytes=cost.output_bytes,
             transient_bytes=cost.transient_bytes,
-            tied_static_bytes=cost.tied_static_bytes, tied_part_bytes=cost.tied_part_bytes))
+            tied_static_bytes=cost.tied_static_bytes, tied_part_bytes=cost.tied_part_bytes,
+            held_for_weight_bytes=cost.held_for_weight_bytes))
     result = best.result
     ranks = tuple(
         RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),

@@ -65,6 +65,7 @@ def _fuse(blocks: Sequence[BlockProfile]) -> BlockProfile:
         bwd_input_ms=total("bwd_input_ms"), bwd_weight_ms=total("bwd_weight_ms"),
         param_bytes=int(total("param_bytes")), num_params=int(total("num_params")),
         activation_bytes=int(total("activation_bytes")),
+        held_for_weight_bytes=int(total("held_for_weight_bytes")),
         transient_bytes=max(b.transient_bytes for b in blocks), reused_from=None)
 
 

@@ -159,6 +159,7 @@ def split_head(profile: Profile, num: int) -> Profile:
             head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
             bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
             activation_bytes=round(head.activation_bytes * frac),
+            held_for_weight_bytes=round(head.held_for_weight_bytes * frac),
             transient_bytes=round(head.transient_bytes * frac) + head.param_bytes,
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
             param_bytes=part(head.param_bytes), num_params=part(head.num_params),
