@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["fuse_halves", "fuse_layers", "layer_groups"]
+__all__ = ["fuse_halves", "fuse_layers", "fuse_quarters", "layer_groups"]
 
 
 def layer_groups(blocks: Sequence[BlockProfile]) -> list[list[int]]:
@@ -90,3 +90,37 @@ def fuse_layers(profile: Profile) -> Profile:
     blocks = tuple(fuse_halves([profile.blocks[i] for i in group], class_name)
                    for group in layer_groups(profile.blocks))
     return replace(profile, blocks=blocks, setup=replace(profile.setup, granularity="layer"))
+
+
+def fuse_quarters(profile: Profile) -> Profile:
+    """``profile`` at ``sublayer`` granularity (itself unless it is ``quarter``).
+
+    Args:
+        profile: a profile of any granularity.
+
+    Returns:
+        The profile with the two parts of every split half (``autopart.intake.inner``:
+        the half up to its output projection, the projection) fused into the half,
+        named as a ``sublayer`` profile names it, and ``setup.granularity ==
+        "sublayer"``.
+    """
+    if profile.setup.granularity != "quarter":
+        return profile
+    blocks: list[BlockProfile] = []
+    for block in profile.blocks:
+        prev = blocks[-1] if blocks else None
+        if prev is None or not block.layer or (prev.layer, prev.kind) != (block.layer,
+                                                                          block.kind):
+            blocks.append(block)
+            continue
+        first = block.modules[0] if block.modules else block.name
+        parent = first.rsplit(".", 1)[0]  # the half's module P, C's parent
+        modules = [m for m in (prev.modules or (prev.name,))
+                   if not m.startswith(parent + ".")] + [parent, *block.modules[1:]]
+        fused = fuse_halves([prev, block])
+        blocks[-1] = replace(fused, name=modules[-1], kind=block.kind, layer=block.layer,
+                             modules=tuple(modules), class_name="",
+                             reused_from=fused.reused_from if fused.reused_from
+                             != modules[-1] else None)
+    return replace(profile, blocks=tuple(blocks),
+                   setup=replace(profile.setup, granularity="sublayer"))

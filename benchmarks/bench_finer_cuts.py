@@ -5,12 +5,14 @@ same time. For each model at seq 4096, bf16, pp 8, 1F1B, m 32, prints the
 simulated step of the anchors' rules (even = NxD/NeMo/Megatron, params =
 DeepSpeed, torchtitan) and of autopart's plan at whole-layer granularity, then
 autopart's plan with each decoder layer profiled as two blocks (``sublayer``:
-attention half, MLP half), each divided by its profile's perfect balance.
-Target: plan / perfect <= 1.03 at sublayer granularity for the 7B-class rows;
+attention half, MLP half) and as four (``quarter``: each half cut before its output
+projection, where the residual crosses beside the projection's input), each divided
+by its profile's perfect balance.
+Target: plan / perfect <= 1.03 at the finest granularity for the 7B-class rows;
 <= 1.10 for Llama-3.2-1B, whose 128k-vocabulary head is 1.76x an ideal stage, once
 the head is split by vocabulary (``+head`` rows: ``lm_head.shard<i>of<k>`` blocks).
 Halves alone do not reach it everywhere: an attention half is about a quarter of
-a layer, so interior stages still round to whole layers, and p2p transfers are
+a layer, so interior stages still round to whole layers; p2p transfers are
 simulated over the H100's links from profiles/devices.json, as ``autopart plan``
 does (the 'free links' column drops them, as the issue's figures did).
 
@@ -76,10 +78,12 @@ CASES = [
 ]
 SPLITS = [Split("layer", "layer", {"granularity": "layer"}),
           Split("layer+head", "layer"),
-          Split("sublayer+head", "sublayer")]
+          Split("sublayer+head", "sublayer"),
+          Split("quarter+head", "quarter")]
 """Coarse to fine; the last one is checked against the case's target. ``layer``: whole
 layers and head; ``+head``: the head split into vocabulary shards (``granularity="auto"``,
-``lm_head.shard<i>of<k>``) beside whole layers or layer halves."""
+``lm_head.shard<i>of<k>``) beside whole layers, layer halves or quarters (each half cut
+before its output projection too, ``autopart.intake.inner``)."""
 
 
 def perfect_ms(profile: Profile) -> float:

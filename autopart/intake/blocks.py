@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from autopart.errors import ModelSourceError
+from autopart.intake.inner import split_inner
 from autopart.intake.sources import fill_meta_buffers
 from autopart.intake.sublayer import GRANULARITIES, layer_children, split_halves
 from autopart.intake.trace import CallRecord, ForwardTrace, trace_forward
@@ -76,9 +77,15 @@ class BlockChain:
     trace: ForwardTrace | None = None
     """The watched forward: every block call with its stream and context arguments."""
     granularity: str = "layer"
-    """``sublayer`` when decoder layers are split into halves, else ``layer``."""
+    """``sublayer`` when decoder layers are split into halves, ``quarter`` when halves are
+    split before their output projection too (``autopart.intake.inner``), else ``layer``."""
     notes: tuple[str, ...] = ()
-    """Why ``sublayer`` granularity was asked for and layers stay whole, if they do."""
+    """Why a finer granularity was asked for and layers or halves stay whole, if they do."""
+    calls: tuple[str, ...] = ()
+    """Module FQNs the forward calls, in order, where they differ from the blocks' modules
+    (``quarter``: a half's module ``P`` is called, its output projection ``C`` too)."""
+    splits: tuple[tuple[int, int], ...] = ()
+    """``(call of P, call of C)`` for every half split before ``C`` (``quarter``)."""
 
     @property
     def names(self) -> list[str]:
@@ -88,7 +95,7 @@ class BlockChain:
     @property
     def call_fqns(self) -> list[str]:
         """Module FQNs in the order the forward calls them."""
-        return [fqn for b in self.blocks for fqn in b.fqns]
+        return list(self.calls) or [fqn for b in self.blocks for fqn in b.fqns]
 
     def call(self, idx: int) -> CallRecord:
         """The record of call ``idx``."""
@@ -106,9 +113,11 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
         layer_classes: class names of the repeated layers, overriding discovery.
         leaf_modules: class names never split (each instance outside the layers
             becomes one candidate).
-        granularity: ``layer`` (whole decoder layers) or ``sublayer`` (each layer as
+        granularity: ``layer`` (whole decoder layers), ``sublayer`` (each layer as
             its attention half and its MLP half where a cut between them is exact;
-            the chain says in ``notes`` why layers stay whole otherwise).
+            the chain says in ``notes`` why layers stay whole otherwise) or
+            ``quarter`` (each half split before its output projection too where that
+            cut is exact, ``autopart.intake.inner``).
 
     Returns:
         The ``BlockChain``. Its fingerprint does not depend on the granularity.
@@ -119,7 +128,7 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
     """
     if granularity not in GRANULARITIES:
         raise ModelSourceError(f"granularity {granularity!r} is not one of {GRANULARITIES}; "
-                               f"use --granularity layer or sublayer")
+                               f"use --granularity {' or '.join(GRANULARITIES)}")
     what = type(model).__name__
     if isinstance(model, nn.Sequential) and layer_classes is None:
         candidates = [n for n, _ in model.named_children()]
@@ -153,17 +162,20 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
     chain = BlockChain(blocks=blocks, family=family, tied_embeddings=tied,
                        fingerprint=_fingerprint(model, blocks, tied),
                        layer_class_names=classes, shared_modules=shared, trace=trace)
-    if granularity == "sublayer":
+    if granularity != "layer":
         chain = _split_layers(model, chain, layers, what)
+    if granularity == "quarter" and chain.granularity == "sublayer":
+        chain = split_inner(model, chain, lambda m, c, w: _watch(m, c, w, carry=True), what)
     return chain
 
 
-def _watch(model: nn.Module, candidates: list[str], what: str) -> tuple[list[str], ForwardTrace]:
+def _watch(model: nn.Module, candidates: list[str], what: str,
+           carry: bool = False) -> tuple[list[str], ForwardTrace]:
     """Trace the forward on a tiny seeded input; the caller's random stream is untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         example = example_inputs(model, candidates, 1, TRACE_SEQ_LEN)
-        return trace_forward(model, candidates, example, what)
+        return trace_forward(model, candidates, example, what, carry=carry)
 
 
 def _split_layers(model: nn.Module, chain: BlockChain, layers: set[str],

@@ -74,6 +74,12 @@ class ForwardTrace:
     stream_reused: bool = False
     """Some stream tensor is used again after the call that receives it starts
     (a residual outside the layers): stages must substitute received tensors by identity."""
+    carries: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
+    """Per cut (traced with ``carry=True``, else empty): ``()`` for a cut where only the
+    next call's stream crosses or an unsafe one, else the values that cross beside that
+    stream, each as ``(call, leaf)``: the ``leaf``-th flattened argument of an earlier
+    ``call`` (a residual kept across the cut); ``None`` where some crossing value is no
+    such argument (made by the model's code between blocks) or is not floating point."""
 
 
 class _Labels(TorchFunctionMode):
@@ -125,12 +131,13 @@ class _Labels(TorchFunctionMode):
 
 
 def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict],
-                  what: str) -> tuple[list[str], ForwardTrace]:
+                  what: str, carry: bool = False) -> tuple[list[str], ForwardTrace]:
     """Run ``model(*args, **kwargs)`` once with the candidate modules ``fqns`` as stand-ins.
 
     Returns the candidates in the order the forward called them (uncalled ones
-    dropped) and the trace. Raises ``ModelSourceError`` (one line) when the forward
-    fails, calls a candidate twice, or uses a parameter outside every candidate.
+    dropped) and the trace (with ``ForwardTrace.carries`` when ``carry``). Raises
+    ``ModelSourceError`` (one line) when the forward fails, calls a candidate twice,
+    or uses a parameter outside every candidate.
     """
     shapes: dict = {}
     stand_ins = {fqn: StandIn(model.get_submodule(fqn), shapes) for fqn in fqns}
@@ -139,6 +146,7 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
     records: list[CallRecord] = []
     contexts: dict[int, int] = {}
     stream_ids: list[set[int]] = []
+    arg_of: dict[int, tuple[int, int, bool]] = {}  # tensor id -> (call, leaf, floating)
 
     def handler(idx: int, module: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
         if idx in order:
@@ -150,7 +158,9 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
         mode.position = float(call)
         records.append(_record(fqns[idx], args, kwargs, mode, contexts))
         stream_ids.append(set())
-        for leaf in leaf_paths(args, kwargs):
+        for pos, leaf in enumerate(leaf_paths(args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                arg_of.setdefault(id(leaf), (call, pos, leaf.is_floating_point()))
             if mode.label_of(leaf):
                 stream_ids[-1].add(id(leaf))
                 mode.uses.append((float(call), max(mode.label_of(leaf)), id(leaf)))
@@ -204,9 +214,34 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
                     reused = True
                 else:
                     safe[k] = False
+    carries = _carries(mode.uses, stream_ids, arg_of, safe) if carry else ()
     return [fqns[i] for i in order], ForwardTrace(calls=tuple(records), safe_cuts=tuple(safe),
                                                   output_labelled=bool(final),
-                                                  stream_reused=reused)
+                                                  stream_reused=reused, carries=carries)
+
+
+def _carries(uses: list[tuple[float, int, int]], stream_ids: list[set[int]],
+             arg_of: dict[int, tuple[int, int, bool]], safe: list[bool]
+             ) -> tuple[tuple[tuple[int, int], ...] | None, ...]:
+    """``ForwardTrace.carries``: per unsafe cut after call ``k``, the values used once call
+    ``k + 1`` has started that derive from calls ``<= k`` and are not its stream, as the
+    earlier call arguments they are (or ``None``)."""
+    out: list[tuple[tuple[int, int], ...] | None] = []
+    for k, exact in enumerate(safe):
+        if exact or not stream_ids[k + 1]:
+            out.append(() if exact else None)
+            continue
+        found: set[tuple[int, int]] | None = set()
+        for position, newest, tensor_id in uses:
+            if newest > k or position <= k + 1 or tensor_id in stream_ids[k + 1]:
+                continue
+            source = arg_of.get(tensor_id)
+            if source is None or source[0] > k or not source[2]:
+                found = None
+                break
+            found.add(source[:2])
+        out.append(None if found is None else tuple(sorted(found)))
+    return tuple(out)
 
 
 def _record(fqn: str, args: tuple, kwargs: dict, mode: _Labels,

@@ -31,6 +31,7 @@ from autopart.intake.head_split import head_split_refusal
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
+from autopart.profile.inner import capture_call, minus_figures, stream_bytes
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
 from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
@@ -162,14 +163,26 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     contexts: dict[int, int] = {}
     outputs: dict[int, Any] = {}
     checked: set[str] = set()
+    children: dict[str, tuple[_CallFigures, int]] = {}  # split P's key -> C's, stream bytes
+
+    split = dict(chain.splits)  # quarter: call of P -> call of C, measured inside P's visit
+    sources = {c for cut in (chain.trace.carries if chain.trace else ()) for c in cut or ()}
+    crossing: dict[Any, int] = {}  # (call, leaf) of carried values, call of C -> bytes
 
     def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
         block = block_of[idx]
         key = _signature(chain, idx, original, args, kwargs, contexts)
+        for pos, leaf in enumerate(leaf_paths(args, kwargs)):
+            if (idx, pos) in sources:
+                crossing[(idx, pos)] = leaf.numel() * leaf.element_size()
 
         def measure() -> tuple[_CallFigures, Any]:
-            return _profile_call(chain, idx, block, original, args, kwargs, runner, engine,
-                                 hf_init, backend, dtype)
+            figures, output, inner = _profile_call(chain, idx, block, original, args, kwargs,
+                                                   runner, engine, hf_init, backend, dtype,
+                                                   split.get(idx))
+            if inner is not None:
+                children[key] = inner
+            return figures, output
 
         if key in seen and not _noisy(seen[key][0]):
             if key not in checked and isinstance(engine, MeasuringEngine):
@@ -184,6 +197,9 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
             seen.setdefault(key, (figures, output, idx))
             logger.info("profiled %s: fwd %.3f ms, bwd %.3f ms", chain.call_fqns[idx],
                         figures.figures.times.fwd_ms, figures.figures.times.bwd_ms)
+        if idx in split:
+            done[split[idx]] = (children[key][0], f"{done[idx][1]}#out")
+            crossing[split[idx]] = children[key][1]
         if progress is not None and idx == block.calls[-1]:
             progress(chain.blocks.index(block) + 1, len(chain.blocks), block.name)
         outputs[idx] = output
@@ -198,9 +214,17 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     first_of: dict[tuple[str, ...], str] = {}  # a block's call signatures -> first such block
     for block in chain.blocks:
         first_of.setdefault(tuple(done[c][1] for c in block.calls), block.name)
-    return [_block_profile(block, [done[c][0] for c in block.calls],
-                           first_of[tuple(done[c][1] for c in block.calls)])
-            for block in chain.blocks], outputs
+    profiles = [_block_profile(block, [done[c][0] for c in block.calls],
+                               first_of[tuple(done[c][1] for c in block.calls)])
+                for block in chain.blocks]
+    for i, block in enumerate(chain.blocks):  # a cut before C: C's stream and the carried
+        if block.calls[-1] in split:
+            cut = split[block.calls[-1]]
+            assert chain.trace is not None
+            carried = sum(crossing[c] for c in chain.trace.carries[cut - 1] or ())
+            profiles[i] = dataclasses.replace(profiles[i],
+                                              output_bytes=crossing[cut] + carried)
+    return profiles, outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,17 +260,27 @@ def _recheck(seen: dict, done: dict, key: str, measure: Callable[[], _CallFigure
 def _profile_call(chain: BlockChain, idx: int, block: Block, original: nn.Module, args: tuple,
                   kwargs: dict, runner: ForwardRunner, engine: _Engine,
                   hf_init: Callable[[nn.Module], None] | None, backend: str,
-                  dtype: str) -> tuple[_CallFigures, Any]:
-    """Materialize, measure and run one block call; its figures and its output for the model."""
+                  dtype: str, child: int | None = None
+                  ) -> tuple[_CallFigures, Any, tuple[_CallFigures, int] | None]:
+    """Materialize, measure and run one block call; its figures, its output for the model
+    and, for a split half's module (``child``: the call of its output projection C), C's
+    figures and stream bytes (the call's figures are then those of the part before C)."""
     fqn = chain.call_fqns[idx]
+    rel = chain.call_fqns[child][len(fqn) + 1:] if child is not None else ""
     try:
         module = materialize_block(original, engine.device, TORCH_DTYPES[dtype], hf_init)
         task = make_task(chain, idx, module, args, kwargs, engine.device, runner.labels)
         figures: Figures = engine.measure(task, original)
         assert task.call is not None
         sdpa = flash_sdpa() if engine.device.type == "meta" else nullcontext()
-        with torch.no_grad(), sdpa, expert_counter(module) as load:
+        capture = capture_call(module, rel) if rel else nullcontext({})
+        with torch.no_grad(), sdpa, expert_counter(module) as load, capture as seen:
             output = runner.to_glue(task.call())
+        inner = None
+        if rel:
+            inner = _measure_child(chain, child, module, original, rel, seen["call"], runner,
+                                   engine)
+            figures = minus_figures(figures, inner[0].figures)
     except AutopartError:
         raise
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
@@ -257,7 +291,24 @@ def _profile_call(chain: BlockChain, idx: int, block: Block, original: nn.Module
             f"on this device, or pass --layer-class / autopart_example_input for custom "
             f"models") from exc
     param_bytes, num_params = param_bytes_and_count(module)
-    return _CallFigures(figures, param_bytes, num_params, tuple(load)), output
+    if inner is not None:
+        param_bytes -= inner[0].param_bytes
+        num_params -= inner[0].num_params
+    return _CallFigures(figures, param_bytes, num_params, tuple(load)), output, inner
+
+
+def _measure_child(chain: BlockChain, child: int, module: nn.Module, original: nn.Module,
+                   rel: str, call: tuple[tuple, dict], runner: ForwardRunner,
+                   engine: _Engine) -> tuple[_CallFigures, int]:
+    """The output projection C of a split half measured on the arguments P gave it, and
+    the bytes of its stream (``autopart.profile.inner``)."""
+    args, kwargs = call
+    sub = module.get_submodule(rel)
+    task = make_task(chain, child, sub, args, kwargs, engine.device, runner.labels)
+    figures = engine.measure(task, original.get_submodule(rel))
+    param_bytes, num_params = param_bytes_and_count(sub)
+    return (_CallFigures(figures, param_bytes, num_params),
+            stream_bytes(chain.call(child).stream, args, kwargs))
 
 
 def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockProfile:
@@ -320,6 +371,10 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
         notes.append(f"attention: eager; transformers has no SDPA attention for "
                      f"{config.model_type}, so it is profiled and trained with eager")
     notes.extend(chain.notes)
+    if chain.granularity == "quarter":
+        notes.append("quarter: decoder layer halves are split before their output projection "
+                     "where exact (attention up to o_proj, o_proj, MLP up to down_proj, "
+                     "down_proj in Llama-like layers); the residual crosses those cuts too")
     if chain.granularity == "sublayer":
         notes.append("sublayer: each decoder layer is two blocks, its attention half and its "
                      "MLP half, each named by its last module (a cut falls after it)")
@@ -344,7 +399,7 @@ def _model_info(loaded: LoadedModel, chain: BlockChain,
     config = loaded.config
     hf = chain.family == "hf_causal_lm" and config is not None
     num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
-    if chain.granularity == "sublayer":
+    if chain.granularity in ("sublayer", "quarter"):
         num_layers = len({b.layer for b in chain.blocks if b.layer})
     elif not hf:
         num_layers = sum(1 for b in chain.blocks if b.class_name in chain.layer_class_names)

@@ -183,12 +183,16 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
 
 def chain_for_plan(root: nn.Module, chain: BlockChain, plan: Plan) -> BlockChain:
     """``chain`` at the granularity ``plan`` was made at (its blocks name the halves of
-    decoder layers when it was planned from a ``sublayer`` profile)."""
+    decoder layers when it was planned from a ``sublayer`` profile, their parts from a
+    ``quarter`` one)."""
     planned = set(collapse_shards([m for stage in plan.stages for m in stage.modules]))
     if planned <= set(chain.names):
         return chain
-    finer = discover_blocks(root, granularity="sublayer")
-    return finer if planned <= set(finer.names) else chain
+    for granularity in ("sublayer", "quarter"):
+        finer = discover_blocks(root, granularity=granularity)
+        if planned <= set(finer.names):
+            return finer
+    return chain
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

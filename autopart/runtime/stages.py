@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from autopart.cost import checkpointed
@@ -87,6 +88,12 @@ class ForwardStage(Tree):
         self.is_last = self._end_call == len(self._calls)
         self._in_slots = chain.call(self._first_call).stream
         self._out_slots = None if self.is_last else chain.call(self._end_call).stream
+        # values crossing a cut beside the next call's stream (``quarter``: the residual),
+        # each the ``leaf``-th argument of an earlier call: {call: [(index, leaf), ...]}
+        self._num_in = chain.call(self._first_call).num_stream
+        self._carry_in = _carried(chain, self._first_call)
+        self._carry_out = {} if self.is_last else _carried(chain, self._end_call)
+        self._split_at = dict(chain.splits)  # call of a split half's module P -> call of C
         self._shards = None  # (head module, first row, end row, starts inside the head)
         if shards:
             head = root.get_submodule(shards[0][0])
@@ -97,12 +104,16 @@ class ForwardStage(Tree):
                             and shards[0][1] > 0)
             self.is_last = shards[-1][1] == num - 1
         self._const_kwargs = {"use_cache": False} if chain.family == "hf_causal_lm" else {}
-        self._reuse = bool(chain.trace is not None and chain.trace.stream_reused)
+        self._reuse = bool(chain.trace is not None and chain.trace.stream_reused
+                           or self._carry_in)
         self._stand_ins: dict[int, StandIn] = {}
         self._shapes: dict = {}  # output shapes shared by this stage's identical stand-ins
-        # The cost model's rule (autopart.cost.checkpointed): layers only.
+        # The cost model's rule (autopart.cost.checkpointed): layers only. A split half's
+        # module P is checkpointed with its C inside (C then not again); when C starts the
+        # next stage, P runs until C in a checkpoint of its own (``_until``).
         self._checkpointed = ({c for b in blocks if checkpointed(b.kind) for c in b.calls}
                               if recompute else set())
+        self._checkpointed -= {c for p, c in self._split_at.items() if p in self._checkpointed}
         self._autocast_dtype = autocast_dtype
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
@@ -122,13 +133,23 @@ class ForwardStage(Tree):
                 return self._head_step(args[0], labels, tuple(args[1:3]))
         recompute = bool(self._checkpointed) and self.training and torch.is_grad_enabled()
         swaps = Substitute()
+        kept: list[torch.Tensor] = [None] * len(  # type: ignore[list-item]
+            [n for v in self._carry_out.values() for n in v])  # carried values to send
 
         def handler(idx: int, module: nn.Module, original: Callable[..., Any], a: tuple,
                     kw: dict) -> Any:
+            leaves = leaf_paths(a, kw)
+            for n, pos in self._carry_out.get(idx, ()):
+                kept[n] = leaves[pos]
+            if received is not None:
+                for n, pos in self._carry_in.get(idx, ()):
+                    swaps.add(leaves[pos], received[self._num_in + n])
             if idx < self._first_call:
+                if self._split_at.get(idx) == self._first_call:  # walk P's code up to C
+                    meta_a, meta_kw = tree_map_only(torch.Tensor, _on_meta, (a, kw))
+                    return original(*meta_a, **meta_kw)
                 return self._stand_in(idx)(a, kw, device)
             if idx == self._first_call and received is not None:
-                leaves = leaf_paths(a, kw)
                 for pos, slot in enumerate(self._in_slots):
                     if slot >= 0:
                         swaps.add(leaves[pos], received[slot])
@@ -136,8 +157,11 @@ class ForwardStage(Tree):
             if self._shards is not None and module is self._shards[0]:
                 raise StageExit(self._head_step(leaf_paths(a, kw)[0], labels, None))
             if idx == self._end_call:
-                raise StageExit(self._stream_of(a, kw))
+                raise StageExit(_sendable(self._stream_of(a, kw), swaps.swap(kept, {})[0]))
             if recompute and idx in self._checkpointed:
+                if self._split_at.get(idx) == self._end_call:
+                    stream = checkpoint(self._until, original, idx, a, kw, use_reentrant=False)
+                    raise StageExit(_sendable(stream, swaps.swap(kept, {})[0]))
                 return checkpoint(original, *a, use_reentrant=False, **kw)
             return original(*a, **kw)
 
@@ -160,23 +184,60 @@ class ForwardStage(Tree):
         # the next shard stage needs the hidden state too: a copy, never the received tensor
         return (hidden.clone(), *carry)
 
-    def _stream_of(self, args: tuple, kwargs: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def _until(self, original: Callable[..., Any], idx: int, args: tuple,
+               kwargs: dict) -> tuple[torch.Tensor, ...]:
+        """Run a split half's module ``P`` (call ``idx``) until it calls ``C``, the next
+        stage's first call; what crosses the cut. Deterministic, so a checkpoint's
+        recomputation, outside the stage's forward, replays it."""
+        child = self._calls[self._split_at[idx]]
+
+        def stop(_i: int, _m: nn.Module, _f: Callable[..., Any], a: tuple, kw: dict) -> Any:
+            raise StageExit(self._stream_of(a, kw))
+
+        try:
+            with intercept(self._root, [child], stop):
+                original(*args, **kwargs)
+        except StageExit as exit_:
+            return exit_.value
+        raise AssertionError(f"{child} was not called")  # the trace saw it called
+
+    def _stream_of(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
         leaves = leaf_paths(args, kwargs)
         picked: dict[int, torch.Tensor] = {}
         for pos, slot in enumerate(self._out_slots or ()):
             if slot >= 0:
                 picked.setdefault(slot, leaves[pos])
-        # torch's zero-bubble backward detaches stage outputs in place, which a view
-        # (HF heads read ``hidden_states[:, slice, :]``) does not allow: send a copy
-        values = tuple(t.clone() if t._is_view() else t
-                       for t in (picked[s] for s in sorted(picked)))
-        return values[0] if len(values) == 1 else values
+        return tuple(picked[s] for s in sorted(picked))
 
     def _stand_in(self, idx: int) -> StandIn:
         if idx not in self._stand_ins:
             self._stand_ins[idx] = StandIn(self._root.get_submodule(self._calls[idx]),
                                          self._shapes)
         return self._stand_ins[idx]
+
+
+def _carried(chain: BlockChain, call: int) -> dict[int, list[tuple[int, int]]]:
+    """The values crossing the cut before ``call`` beside its stream:
+    ``{earlier call: [(index among them, leaf), ...]}``."""
+    carries = chain.trace.carries if chain.trace is not None else ()
+    out: dict[int, list[tuple[int, int]]] = {}
+    if 0 < call <= len(carries):
+        for n, (source, leaf) in enumerate(carries[call - 1] or ()):
+            out.setdefault(source, []).append((n, leaf))
+    return out
+
+
+def _sendable(stream: tuple[torch.Tensor, ...], carried: tuple[torch.Tensor, ...]
+              ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """What a stage sends: the next call's stream, then the carried values. torch's
+    zero-bubble backward detaches stage outputs in place, which a view (HF heads read
+    ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy."""
+    values = tuple(t.clone() if t._is_view() else t for t in (*stream, *carried))
+    return values[0] if len(values) == 1 else values
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else torch.empty_like(t, device="meta")
 
 
 def build_stage_modules(root: nn.Module, chain: BlockChain, stages: list[StagePlan], *,

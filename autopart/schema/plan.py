@@ -254,8 +254,9 @@ class Plan(JsonFile):
     notes: tuple[str, ...] = ()
     """Human-readable reasons (e.g. why rank 0 holds fewer blocks)."""
     granularity: str = "layer"
-    """``layer``: whole blocks; ``sublayer``: finer blocks (the head's vocabulary shards
-    ``lm_head.shard<i>of<k>``, see ``autopart.intake.head_split``)."""
+    """``layer``: whole blocks; ``sublayer``: finer blocks (layer halves, the head's
+    vocabulary shards ``lm_head.shard<i>of<k>``, see ``autopart.intake.head_split``);
+    ``quarter``: halves split before their output projection too."""
     micro_batch_size: int = 0
     """Samples per microbatch the plan was made for (the profile's, or rescaled)."""
     seq_len: int = 0

@@ -11,7 +11,7 @@ from autopart.jsonio import SCHEMA_VERSION, JsonFile
 
 BLOCK_KINDS = ("embedding", "decoder_layer", "attention", "mlp", "norm", "head", "block")
 """``attention`` and ``mlp``: the two halves of a decoder layer (``sublayer`` granularity)."""
-GRANULARITIES = ("layer", "sublayer")
+GRANULARITIES = ("layer", "sublayer", "quarter")
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
                               "num_params", "compile_ms", "held_for_weight_bytes")
@@ -150,8 +150,9 @@ class ProfileSetup:
     """HF attention kernel the model was profiled with (``sdpa``, or ``eager`` where the
     family has no SDPA path); empty for other models."""
     granularity: str = "layer"
-    """``sublayer``: decoder layers were profiled as two halves each (profiles without
-    the key are ``layer``)."""
+    """``sublayer``: decoder layers were profiled as two halves each; ``quarter``: halves
+    split before their output projection too, where exact (profiles without the key are
+    ``layer``)."""
     neighbours: int = 0
     """CPU: processes that profiled the same model on this machine while it was measured,
     standing in for the pipeline's other ranks (``--pp N``: ``N - 1``; 0: measured alone)."""

@@ -88,10 +88,12 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         target: An export format (``nxd``, ``megatron``, ...): plan within that tool's
             rules (``autopart.targets``), its cut kinds unless ``cut_kinds`` is given,
             and its schedules.
-        granularity: ``auto`` / ``sublayer``: the finest blocks the runtime runs, the
-            head split into vocabulary shards where it can be (``autopart.solve.shards``;
-            ``auto`` keeps the head whole where that predicts a step as fast or faster);
-            ``layer``: whole blocks. Export targets plan at ``layer``.
+        granularity: ``auto`` / ``quarter``: the finest blocks the runtime runs (as
+            profiled), the head split into vocabulary shards where it can be
+            (``autopart.solve.shards``; ``auto`` keeps the head whole where that predicts
+            a step as fast or faster); ``sublayer``: the same with a ``quarter``
+            profile's parts fused into halves; ``layer``: whole blocks. Export targets
+            plan at ``layer``.
         cuts: Evaluate this split instead of searching: the last block of every stage
             but the final one (``pp_size * v - 1`` names, in model order); shard names
             ``lm_head.shard<i>of<k>`` set the number of shards.
@@ -113,7 +115,7 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
     args = {k: v for k, v in locals().items() if k not in ("profile", "setup_fields")}
     if granularity == "auto" and cuts is None and target is None and splits_head(profile):
         return faster_of_split_or_whole(lambda p: make_plan(
-            p, **{**args, "granularity": "sublayer"}, **setup_fields), profile)
+            p, **{**args, "granularity": "quarter"}, **setup_fields), profile)
     if target is not None:
         schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
                                             num_microbatches)
@@ -151,7 +153,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
                            baselines=_baseline_json(best.evaluated, baselines), notes=notes)
     finer = profile.setup.granularity != "layer" or any(parse_shard(b.name)
                                                         for b in profile.blocks)
-    return dataclasses.replace(plan, granularity="sublayer" if finer else "layer")
+    kept = "quarter" if profile.setup.granularity == "quarter" else "sublayer"
+    return dataclasses.replace(plan, granularity=kept if finer else "layer")
 
 
 def _target_rules(target: str, schedule: str | Sequence[str],

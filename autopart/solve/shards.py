@@ -34,14 +34,14 @@ import math
 from collections.abc import Callable, Sequence
 
 from autopart.errors import InfeasibleError, PlanError
-from autopart.granularity import fuse_layers
+from autopart.granularity import fuse_layers, fuse_quarters
 from autopart.intake.head_split import parse_shard, shard_names, vocab_range
 from autopart.schema import Plan, Profile
 
 __all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "faster_of_split_or_whole",
            "split_head", "splits_head"]
 
-GRANULARITY_CHOICES = ("auto", "layer", "sublayer")
+GRANULARITY_CHOICES = ("auto", "layer", "sublayer", "quarter")
 _MAX_SHARDS = 64
 _CARRY_VALUES = 2  # running log-sum-exp, target logit
 _UNIT_KINDS = ("decoder_layer", "attention", "mlp")
@@ -53,8 +53,10 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
 
     Args:
         profile: The profile to plan.
-        granularity: ``auto`` or ``sublayer`` (layer halves as profiled, the head split
-            into shards where the runtime can split it) or ``layer`` (whole blocks).
+        granularity: ``auto`` or ``quarter`` (blocks as profiled, the head split into
+            shards where the runtime can split it), ``sublayer`` (the same with the parts
+            of a ``quarter`` profile's halves fused back into halves) or ``layer`` (whole
+            blocks).
         target: An export format, or ``None``; exports plan at ``layer``.
         shards: How many vocabulary shards (default: ``num_shards``).
 
@@ -71,6 +73,8 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
     finer = profile.setup.granularity != "layer" or (rows and profile.blocks[-1].kind == "head")
     if granularity == "layer" or not finer:
         return fuse_layers(profile), []
+    if granularity == "sublayer":
+        profile = fuse_quarters(profile)
     if target is not None:
         return fuse_layers(profile), [f"{target} cannot express cuts inside a layer or the "
                                       f"head: planned at layer granularity"]
