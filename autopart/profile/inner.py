@@ -18,10 +18,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from autopart.intake import BlockChain
 from autopart.intake.forward import leaf_paths
 from autopart.profile.engines import Figures
+from autopart.schema import BlockProfile
 
-__all__ = ["capture_call", "minus_figures", "stream_bytes"]
+__all__ = ["capture_call", "minus_figures", "stream_bytes", "with_crossing_bytes"]
 
 
 @contextlib.contextmanager
@@ -60,3 +62,18 @@ def minus_figures(whole: Figures, part: Figures) -> Figures:
     memory = dataclasses.replace(whole.memory, activation_bytes=max(
         whole.memory.activation_bytes - part.memory.activation_bytes, 0))
     return dataclasses.replace(whole, times=times, memory=memory)
+
+
+def with_crossing_bytes(chain: BlockChain, profiles: list[BlockProfile],
+                        crossing: dict) -> list[BlockProfile]:
+    """``profiles`` with each block that ends before a split half's C sending what
+    crosses: C's stream (``crossing[call of C]``) and the carried values
+    (``crossing[(call, leaf)]``)."""
+    split = dict(chain.splits)
+    out = list(profiles)
+    for i, block in enumerate(chain.blocks):
+        if block.calls[-1] in split and chain.trace is not None:
+            cut = split[block.calls[-1]]
+            carried = sum(crossing[c] for c in chain.trace.carries[cut - 1] or ())
+            out[i] = dataclasses.replace(out[i], output_bytes=crossing[cut] + carried)
+    return out

@@ -31,7 +31,12 @@ from autopart.intake.head_split import head_split_refusal
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
-from autopart.profile.inner import capture_call, minus_figures, stream_bytes
+from autopart.profile.inner import (
+    capture_call,
+    minus_figures,
+    stream_bytes,
+    with_crossing_bytes,
+)
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
 from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
@@ -217,14 +222,7 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     profiles = [_block_profile(block, [done[c][0] for c in block.calls],
                                first_of[tuple(done[c][1] for c in block.calls)])
                 for block in chain.blocks]
-    for i, block in enumerate(chain.blocks):  # a cut before C: C's stream and the carried
-        if block.calls[-1] in split:
-            cut = split[block.calls[-1]]
-            assert chain.trace is not None
-            carried = sum(crossing[c] for c in chain.trace.carries[cut - 1] or ())
-            profiles[i] = dataclasses.replace(profiles[i],
-                                              output_bytes=crossing[cut] + carried)
-    return profiles, outputs
+    return with_crossing_bytes(chain, profiles, crossing), outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,15 +298,13 @@ def _profile_call(chain: BlockChain, idx: int, block: Block, original: nn.Module
 def _measure_child(chain: BlockChain, child: int, module: nn.Module, original: nn.Module,
                    rel: str, call: tuple[tuple, dict], runner: ForwardRunner,
                    engine: _Engine) -> tuple[_CallFigures, int]:
-    """The output projection C of a split half measured on the arguments P gave it, and
-    the bytes of its stream (``autopart.profile.inner``)."""
-    args, kwargs = call
-    sub = module.get_submodule(rel)
-    task = make_task(chain, child, sub, args, kwargs, engine.device, runner.labels)
+    """The output projection C of a split half, and the bytes of its stream."""
+    task = make_task(chain, child, module.get_submodule(rel), *call, engine.device,
+                     runner.labels)
     figures = engine.measure(task, original.get_submodule(rel))
-    param_bytes, num_params = param_bytes_and_count(sub)
+    param_bytes, num_params = param_bytes_and_count(module.get_submodule(rel))
     return (_CallFigures(figures, param_bytes, num_params),
-            stream_bytes(chain.call(child).stream, args, kwargs))
+            stream_bytes(chain.call(child).stream, *call))
 
 
 def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockProfile:
