@@ -91,6 +91,7 @@ def test_parts_sum_to_the_halves(profiles):
         assert a.fwd_ms == pytest.approx(b.fwd_ms, rel=1e-9, abs=1e-12)
         assert a.bwd_ms == pytest.approx(b.bwd_ms, rel=1e-9, abs=1e-12)
         assert a.activation_bytes == b.activation_bytes
+        assert a.held_for_weight_bytes == b.held_for_weight_bytes
     layers = fuse_layers(profiles["quarter"])
     assert [b.name for b in layers.blocks] == [b.name for b in profiles["layer"].blocks]
 

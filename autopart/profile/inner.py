@@ -52,15 +52,17 @@ def stream_bytes(stream: tuple[int, ...], args: tuple, kwargs: dict) -> int:
 
 
 def minus_figures(whole: Figures, part: Figures) -> Figures:
-    """``whole`` less ``part`` (times and saved activations, never below zero); spreads,
-    transient workspace and output of ``whole``."""
+    """``whole`` less ``part`` (times, saved activations and the gradients B keeps for W,
+    never below zero); spreads, transient workspace and output of ``whole``."""
     t, p = whole.times, part.times
     times = dataclasses.replace(
         t, fwd_ms=max(t.fwd_ms - p.fwd_ms, 0.0), bwd_ms=max(t.bwd_ms - p.bwd_ms, 0.0),
         bwd_input_ms=max(t.bwd_input_ms - p.bwd_input_ms, 0.0),
         bwd_weight_ms=max(t.bwd_weight_ms - p.bwd_weight_ms, 0.0))
-    memory = dataclasses.replace(whole.memory, activation_bytes=max(
-        whole.memory.activation_bytes - part.memory.activation_bytes, 0))
+    w, q = whole.memory, part.memory
+    memory = dataclasses.replace(
+        w, activation_bytes=max(w.activation_bytes - q.activation_bytes, 0),
+        held_for_weight_bytes=max(w.held_for_weight_bytes - q.held_for_weight_bytes, 0))
     return dataclasses.replace(whole, times=times, memory=memory)
 
 
