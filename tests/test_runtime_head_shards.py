@@ -42,7 +42,7 @@ def test_sharded_loss_and_grads_match_cross_entropy(num_shards, with_bias):
     got_grads = torch.autograd.grad(got, params)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g.to_dense(), w, atol=1e-5, rtol=1e-5)
 
 
 def test_large_logits_do_not_overflow():
@@ -62,3 +62,49 @@ def test_shard_names_round_trip():
     assert parse_shard("lm_head.shard3of3") is None and parse_shard("lm_head") is None
     assert [vocab_range(i, 3, 10) for i in range(3)] == [(0, 3), (3, 6), (6, 10)]
     assert collapse_shards(["model.norm", *names[:2]]) == ["model.norm", "lm_head"]
+
+
+
+def _microbatch(weight, seed, tied):
+    """(hidden, labels) of one random microbatch; with ``tied`` the hidden states are an
+    embedding lookup of the same ``weight`` (embedding and head on one rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, weight.shape[0], (2, 7), generator=gen)
+    raw = F.embedding(ids, weight) if tied else torch.randn(2, 7, weight.shape[1],
+                                                             generator=gen)
+    return raw.tanh(), ids
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_shard_hands_the_weight_only_its_rows(set_to_none, tied):
+    """Two steps of three microbatches, 3 shards of a 50 x 16 head: every gradient a shard
+    hands the weight is sparse with exactly its rows' values (indexing ``weight[lo:hi]``
+    handed a dense 50 x 16 one: zeros outside the rows; tied, autograd adds them into
+    the embedding lookup's dense gradient), each step accumulates into one
+    dense ``.grad`` (created on the first forward when None), and it equals
+    F.cross_entropy's accumulated gradient, with the weight tied to an embedding or not."""
+    weight = torch.randn(50, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    plain = weight.detach().clone().requires_grad_()
+    handed = []
+    weight.register_hook(lambda g: handed.append(
+        (g.layout, g.coalesce().values().numel() if g.is_sparse else g.numel())))
+    for step in range(2):
+        buffers = set()
+        for mb in range(3):
+            hidden, ids = _microbatch(weight, 10 * step + mb, tied)
+            _sharded(hidden, weight, None, ids, 3).backward()
+            buffers.add((weight.grad.data_ptr(), weight.grad.layout))
+            hidden, ids = _microbatch(plain, 10 * step + mb, tied)
+            _reference(hidden, plain, None, ids).backward()
+        assert len(buffers) == 1 and next(iter(buffers))[1] == torch.strided
+        torch.testing.assert_close(weight.grad, plain.grad, atol=1e-5, rtol=1e-5)
+        for p in (weight, plain):
+            torch.optim.SGD([p], lr=0.0).zero_grad(set_to_none=set_to_none)
+    # one backward of all three shards: their rows summed sparse; tied, added into the
+    # embedding lookup's dense gradient
+    assert handed == [(torch.strided if tied else torch.sparse_coo, 50 * 16)] * 6
+    handed.clear()
+    hidden, ids = _microbatch(weight, 99, False)
+    token_losses(shard_carry(hidden, weight, None, (10, 20), ids)).sum().backward()
+    assert handed == [(torch.sparse_coo, 10 * 16)]
