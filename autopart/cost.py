@@ -47,6 +47,7 @@ __all__ = [
     "comm_ms",
     "rank_static_bytes",
     "recv_buffer_bytes",
+    "shared_grad_sync_ms",
     "stage_cost",
     "static_bytes_per_param",
     "step_overhead_ms",
@@ -140,6 +141,33 @@ def step_overhead_ms(setup: TrainingSetup) -> float:
     return overhead.step_ms if overhead is not None else 0.0
 
 
+def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
+                        setup: TrainingSetup) -> float:
+    """The per-step sum of a shared weight's gradient over the ranks holding it.
+
+    The runtime all-reduces the whole gradient of the weight held on several ranks (a
+    tied embedding/head, a head split by vocabulary) after the schedule, over the
+    pipeline link: a ring of ``n`` holders moves ``2 (n - 1) / n`` of its bytes per rank
+    in ``2 (n - 1)`` steps, each paying the link latency.
+
+    Args:
+        costs: Every stage's cost, in stage order.
+        stage_ranks: The pp rank of each stage.
+        setup: Its precision (gradient dtype) and link.
+
+    Returns:
+        Milliseconds; 0 when the weight is held by one rank or there is none.
+    """
+    holders = {r for c, r in zip(costs, stage_ranks) if c.tied_part_bytes > 0}
+    whole = max((c.tied_static_bytes for c in costs), default=0)
+    num = len(holders)
+    if num < 2 or whole <= 0:
+        return 0.0
+    grad_bytes = whole / static_bytes_per_param(setup) * DTYPE_BYTES[setup.grad_dtype]
+    moved = 2 * (num - 1) / num * grad_bytes
+    return 2 * (num - 1) * setup.link_latency_ms + 1e3 * moved / setup.link_bandwidth_bytes_per_s
+
+
 def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:
     """Time to send ``num_bytes`` point to point over the pipeline link."""
     if num_bytes <= 0:
@@ -188,9 +216,10 @@ class BlockArrays:
     """The runtime's own cost per action, added to every stage's F and B."""
     shard_blocks: np.ndarray | None = None
     """Per block, whether it is a vocabulary shard of the head (None: no shards)."""
-    head_grad_ms: float = 0.0
-    """W time a stage with shards adds per microbatch: its backward of the shards' rows
-    writes a full-size gradient of the head weight (``ProfileSetup.head_grad_ms``)."""
+    head_grad_fwd_ms: float = 0.0
+    """F time a stage with shards adds per microbatch: the dense gradient of the head
+    weight its shards add their rows into is zero-filled once per step, in the first
+    forward (``ProfileSetup.head_grad_ms``), spread here over the step's microbatches."""
     glue_fwd_ms: float = 0.0
     """The model's code between blocks, which every stage runs per F (the profile's)."""
     prefix_held_for_weight: np.ndarray | None = None
@@ -244,7 +273,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         tied_whole_bytes=round(tied_whole * per_param), overhead=setup.runtime_overhead,
         glue_fwd_ms=profile.setup.glue_fwd_ms,
         shard_blocks=np.array([parse_shard(b.name) is not None for b in blocks], dtype=bool),
-        head_grad_ms=profile.setup.head_grad_ms,
+        head_grad_fwd_ms=profile.setup.head_grad_ms / max(setup.num_microbatches, 1),
         prefix_held_for_weight=prefix(np.array([b.held_for_weight_bytes for b in blocks],
                                                dtype=np.int64)),
     )
@@ -292,7 +321,9 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
 
     With a runtime overhead in ``arrays`` (the machine check), F and B each carry the
     runtime's per-action cost and one p2p op per cut next to the stage; F also carries
-    the model's code between blocks (``ProfileSetup.glue_fwd_ms``), which every stage runs.
+    the model's code between blocks (``ProfileSetup.glue_fwd_ms``), which every stage runs,
+    and, on a stage with vocabulary shards of the head, the once-per-step zero-fill of
+    the head's gradient spread over the microbatches (``BlockArrays.head_grad_fwd_ms``).
     ``activation_bytes`` follows the module docstring: saved activations (with
     ``recompute``, only the inputs of checkpointed blocks) + the held output - the
     first block's input, which torch's receive buffer holds. With ``recompute`` the
@@ -322,10 +353,9 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     tied_whole, tied_part = _stage_tied(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
-        fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms,
+        fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms + _head_grad_fwd_ms(arrays, first, last),
         bwd_input_ms=bwd_in + bwd_extra,
-        bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first])
-        + _head_grad_ms(arrays, first, last),
+        bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
         static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
         activation_bytes=act,
         input_bytes=input_bytes,
@@ -359,10 +389,14 @@ def _stage_tied(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
     return (arrays.tied_whole_bytes if part else 0), part
 
 
-def _head_grad_ms(arrays: BlockArrays, first: int, last: int) -> float:
-    """The full-size head gradient write, once if the stage holds vocabulary shards."""
+def _head_grad_fwd_ms(arrays: BlockArrays, first: int, last: int) -> float:
+    """The head gradient's zero-fill per microbatch, if the stage holds vocabulary shards.
+
+    The runtime creates one dense gradient per rank and step (``autopart.runtime.
+    head_shards``); a rank with shards in two stages is charged it twice."""
     shards = arrays.shard_blocks
-    return arrays.head_grad_ms if shards is not None and shards[first:last + 1].any() else 0.0
+    held = shards is not None and bool(shards[first:last + 1].any())
+    return arrays.head_grad_fwd_ms if held else 0.0
 
 
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,

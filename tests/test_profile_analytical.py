@@ -109,8 +109,8 @@ def test_analytical_profile_of_tiny_llama():
     for block in profile.blocks:
         assert block.measured == () and block.fwd_ms > 0 and block.bwd_ms > 0
     assert profile.blocks[0].bwd_input_ms == 0.0
-    # a shard's full-size gradient of the 512 x 64 float32 head: 4 passes of 131,072 B
-    assert profile.setup.head_grad_ms == pytest.approx(round(4 * 131_072 / 2.68e9, 6))
+    # the split head's gradient zero-filled once per step: one pass of 512 x 64 float32
+    assert profile.setup.head_grad_ms == pytest.approx(round(131_072 / 2.68e9, 6))
 
 
 def test_analytical_dtype_scales_compute_bound_time():

@@ -1,5 +1,6 @@
-"""The full-size gradient each head shard's backward writes: hand-worked estimate, a
-real measurement on CPU, and its place in the shard blocks' W."""
+"""The split head's per-step costs: the gradient's zero-fill (hand-worked estimate, a
+real measurement on CPU, its place in the shard stages' F) and the sum of a shared
+weight's gradient over its holders."""
 
 from __future__ import annotations
 
@@ -9,47 +10,69 @@ import pytest
 import torch
 from solve_helpers import llama_like
 
-from autopart.cost import block_arrays, stage_cost
+from autopart.cost import StageCost, block_arrays, shared_grad_sync_ms, stage_cost
 from autopart.profile.devices import load_device_spec
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
 from autopart.schema import TrainingSetup
 from autopart.solve.shards import apply_granularity, split_head
 
 
-def test_estimate_is_four_passes_over_the_weight_at_the_specs_bandwidth():
-    """Llama-3.2-1B's head, 128256 x 2048 bf16 on an H100: 4 * 2 * 262,668,288 B =
-    2,101,346,304 B at 3.35 TB/s * 0.8 = 0.78408 ms (the adds' FLOPs are far cheaper)."""
+def test_estimate_is_one_pass_over_the_weight_at_the_specs_bandwidth():
+    """Llama-3.2-1B's head, 128256 x 2048 bf16 on an H100: 2 * 262,668,288 B =
+    525,336,576 B at 3.35 TB/s * 0.8 = 0.19602 ms."""
     ms = estimate_head_grad_ms(128256 * 2048, load_device_spec("h100"), "bfloat16")
-    assert ms == pytest.approx(2_101_346_304 / 2.68e12 * 1e3, rel=1e-9)
+    assert ms == pytest.approx(525_336_576 / 2.68e12 * 1e3, rel=1e-9)
 
 
-def test_measure_times_a_zero_fill_and_add_on_cpu():
+def test_measure_times_a_zero_filled_allocation_on_cpu():
     ms = measure_head_grad_ms((256, 64), torch.float32, torch.device("cpu"), num_repeats=3)
     assert 0 < ms < 1000
 
 
-def test_a_stage_with_shards_pays_the_full_gradient_write_once_in_its_w():
-    """Head W 6 ms split in 4 (1000 rows), a 0.5 ms gradient write: the shards keep W / 4
-    each, and a stage pays 0.5 ms once whether it holds one shard or three (the runtime
-    slices its rows once); a stage without shards pays nothing."""
+def test_a_stage_with_shards_pays_the_zero_fill_once_per_step_in_its_f():
+    """Head split in 4 (1000 rows), a 2 ms zero-fill per step over 4 microbatches: a
+    stage with one shard or three adds 0.5 ms to each F and nothing to W (the shards'
+    backward adds only their rows, within the head's W / 4 each); a stage without
+    shards pays nothing."""
     profile = llama_like(4, head_ms=6.0)
     profile = dataclasses.replace(
         profile, model=dataclasses.replace(profile.model, head_split_rows=1000),
-        setup=dataclasses.replace(profile.setup, head_grad_ms=0.5))
+        setup=dataclasses.replace(profile.setup, head_grad_ms=2.0))
     head = profile.blocks[-1]
     split = split_head(profile, 4)
-    assert [b.bwd_weight_ms for b in split.blocks[-4:]] == pytest.approx(
-        [head.bwd_weight_ms / 4] * 4)
     arrays = block_arrays(split, TrainingSetup(pp_size=2, num_microbatches=4))
     n = len(split.blocks)
-    w_shards = head.bwd_weight_ms / 4
-    assert stage_cost(arrays, n - 1, n - 1).bwd_weight_ms == pytest.approx(w_shards + 0.5)
-    assert stage_cost(arrays, n - 3, n - 1).bwd_weight_ms == pytest.approx(3 * w_shards + 0.5)
+    last, three = stage_cost(arrays, n - 1, n - 1), stage_cost(arrays, n - 3, n - 1)
+    assert last.fwd_ms == pytest.approx(head.fwd_ms / 4 + 0.5)
+    assert three.fwd_ms == pytest.approx(3 * head.fwd_ms / 4 + 0.5)
+    assert last.bwd_weight_ms == pytest.approx(head.bwd_weight_ms / 4)
     layers = stage_cost(arrays, 0, n - 5)
-    assert layers.bwd_weight_ms == pytest.approx(sum(b.bwd_weight_ms
-                                                     for b in split.blocks[:n - 4]))
+    assert layers.fwd_ms == pytest.approx(sum(b.fwd_ms for b in split.blocks[:n - 4]))
     note = apply_granularity(profile, "auto", None, shards=4)[1][0]
-    assert note.endswith("gradient of it per microbatch (0.5 ms, measured)")
+    assert "zero-fills its gradient once per step (2 ms, measured)" in note
     unrecorded = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
                                                                         head_grad_ms=0.0))
     assert "re-profile to count it" in apply_granularity(unrecorded, "auto", None)[1][0]
+
+
+def _stage(tied_part: int) -> StageCost:
+    return StageCost(fwd_ms=1.0, bwd_input_ms=1.0, bwd_weight_ms=1.0, static_bytes=0,
+                     activation_bytes=0, input_bytes=0, output_bytes=0, transient_bytes=0,
+                     param_count=0, tied_static_bytes=64_000_000 if tied_part else 0,
+                     tied_part_bytes=tied_part)
+
+
+def test_shared_gradient_sum_is_a_ring_all_reduce_over_its_holders():
+    """A 4M-parameter weight (fp32 + Adam: 16 B/param, 64 MB static, 16 MB gradient) on
+    a 50 GB/s, 0.01 ms link: 2 holders move 16 MB in 2 steps = 0.32 + 0.02 ms; 3 move
+    4/3 * 16 MB in 4 steps = 0.42667 + 0.04 ms; one holder (two stages on one rank) or
+    none: 0."""
+    setup = TrainingSetup(pp_size=3, num_microbatches=4, link_bandwidth_bytes_per_s=50e9,
+                          link_latency_ms=0.01)
+    costs = [_stage(5), _stage(0), _stage(7)]
+    assert shared_grad_sync_ms(costs, [0, 1, 1], setup) == pytest.approx(0.34)
+    assert shared_grad_sync_ms(costs, [0, 1, 2], setup) == pytest.approx(0.34)
+    assert shared_grad_sync_ms([_stage(5), _stage(3), _stage(7)], [0, 1, 2],
+                               setup) == pytest.approx(0.46667, rel=1e-4)
+    assert shared_grad_sync_ms(costs, [1, 0, 1], setup) == 0.0
+    assert shared_grad_sync_ms([_stage(0)] * 3, [0, 1, 2], setup) == 0.0

@@ -125,28 +125,30 @@ def test_cli_cuts_errors_are_one_line(tmp_path, capsys, cuts, message):
     assert err.count("\n") == 0 and "Traceback" not in err and message in err, err
 
 
-def test_a_shard_holds_the_full_size_gradient_it_writes():
-    """Each shard's backward writes a gradient as large as the whole head weight (zeros
-    outside its rows): workspace = head workspace / 4 + the head's parameter bytes; the
-    parameters split exactly (rounded at both ends)."""
+def test_a_shard_holds_its_rows_fraction_of_the_head_workspace():
+    """Each shard's backward adds only its rows into the head's gradient, so its workspace
+    is the head's times its vocabulary fraction (333, 333 and 334 of 1000 rows, with a
+    12,345-byte workspace); the parameters split exactly (rounded at both ends)."""
     profile = _splittable(rows=1000)
+    profile = dataclasses.replace(profile, blocks=(*profile.blocks[:-1], dataclasses.replace(
+        profile.blocks[-1], transient_bytes=12_345)))
     head = profile.blocks[-1]
+    assert head.param_bytes > 0
     shards = split_head(profile, 3).blocks[-3:]
-    assert [b.transient_bytes for b in shards] == [
-        round(head.transient_bytes * f) + head.param_bytes for f in (333 / 1000, 333 / 1000,
-                                                                     334 / 1000)]
+    assert [b.transient_bytes for b in shards] == [4111, 4111, 4123]  # no head.param_bytes
     assert sum(b.num_params for b in shards) == head.num_params
     assert sum(b.param_bytes for b in shards) == head.param_bytes
 
 
-def test_auto_keeps_the_head_whole_when_the_gradient_writes_cost_more():
-    """The plan of test_auto_granularity_beats_whole_layers_on_a_heavy_head, but each
-    stage with shards writes a 5 ms gradient: shards on both ranks give rank 0 15.36 + 5
-    ms a microbatch (4 * 20.36 + 20 = 101.4 ms), all on rank 1 the whole head + 5 ms,
-    so the split cannot win (whole: 84.36 ms) and auto keeps the head whole with a note."""
+def test_auto_keeps_the_head_whole_when_the_gradient_zero_fill_costs_more():
+    """The plan of test_auto_granularity_beats_whole_layers_on_a_heavy_head, but every
+    rank with shards zero-fills the head's gradient in 20 ms per step (5 ms in each of the
+    4 microbatches' F): shards on both ranks give rank 0 15.36 + 5 ms a microbatch
+    (4 * 20.36 + 20 = 101.4 ms), all on rank 1 the whole head + 5 ms, so the split
+    cannot win (whole: 84.36 ms) and auto keeps the head whole with a note."""
     profile = _splittable()
     slow = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
-                                                                  head_grad_ms=5.0))
+                                                                  head_grad_ms=20.0))
     kwargs = {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}
     plan = make_plan(slow, **kwargs)
     assert plan.predicted_step_ms == pytest.approx(84.36, rel=0.01)

@@ -1,12 +1,13 @@
-"""The full-size gradient each vocabulary shard of the head writes in its backward.
+"""The dense gradient buffer of a head split by vocabulary, zero-filled once per step.
 
-The runtime's shard ``i`` of ``k`` computes with ``weight[lo:hi]`` of the head's one
-weight, so autograd's backward of that slice writes a gradient as large as the whole
-weight (zeros outside the shard's rows) and adds it to the weight's ``.grad``: a
-zero-fill and an add of ``vocab x hidden`` values per shard and microbatch, whatever
-``k`` is. The profiler records that time in ``ProfileSetup.head_grad_ms``: measured
-(``cpu``, ``cuda``; the profile's ``time_source``) or, on analytical profiles,
-estimated from the device spec's memory bandwidth.
+Every rank with a vocabulary shard of the head holds the head's whole weight, and its
+shards add only their rows' gradient into the weight's ``.grad`` (``autopart.runtime.
+head_shards``); that buffer is created as zeros the first time a step needs it (the
+first forward of a shard stage after ``zero_grad(set_to_none=True)``). Its zero-fill is
+the one full-size write left per step: the profiler records its time in
+``ProfileSetup.head_grad_ms``, measured (``cpu``, ``cuda``: a fresh ``torch.zeros``, on
+CPU with the page faults of a new allocation) or, on analytical profiles, estimated
+from the device spec's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -21,28 +22,24 @@ from autopart.schema import DTYPE_BYTES
 
 __all__ = ["estimate_head_grad_ms", "measure_head_grad_ms"]
 
-_PASSES = 4
-"""Memory passes over the weight: write the zeros, then read both and write the sum."""
-
 
 def estimate_head_grad_ms(num_values: int, spec: DeviceSpec, dtype: str) -> float:
-    """Roofline time of a zero-fill + add of ``num_values`` values of ``dtype`` on ``spec``.
+    """Roofline time of a zero-fill of ``num_values`` values of ``dtype`` on ``spec``.
 
     Args:
         num_values: Values of the head's weight (``vocab x hidden``).
         spec: The device.
-        dtype: The parameters' dtype (a key of ``DTYPE_BYTES``).
+        dtype: The gradient's dtype (a key of ``DTYPE_BYTES``).
 
     Returns:
-        Milliseconds: ``4 * bytes / (bandwidth * efficiency)`` (one add per value).
+        Milliseconds: ``bytes / (bandwidth * efficiency)`` (one write pass, no FLOPs).
     """
-    num_bytes = _PASSES * num_values * DTYPE_BYTES[dtype]
-    return 1e3 * spec.op_time_s(float(num_values), float(num_bytes), dtype)
+    return 1e3 * spec.op_time_s(0.0, float(num_values * DTYPE_BYTES[dtype]), dtype)
 
 
 def measure_head_grad_ms(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                          num_warmup: int = 1, num_repeats: int = 5) -> float:
-    """Median time of ``zeros(shape)`` then ``grad.add_(it)`` on ``device``, in ms.
+    """Median time of ``torch.zeros(shape)`` on ``device`` (a new buffer each time), in ms.
 
     Args:
         shape: The head weight's shape.
@@ -52,10 +49,8 @@ def measure_head_grad_ms(shape: tuple[int, ...], dtype: torch.dtype, device: tor
         num_repeats: Timed runs (the median is kept).
 
     Returns:
-        Milliseconds of one zero-fill + add.
+        Milliseconds of one zero-filled allocation.
     """
-    grad = torch.zeros(shape, dtype=dtype, device=device)
-
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -64,8 +59,10 @@ def measure_head_grad_ms(shape: tuple[int, ...], dtype: torch.dtype, device: tor
     for run in range(num_warmup + num_repeats):
         sync()
         start = time.perf_counter()
-        grad.add_(torch.zeros(shape, dtype=dtype, device=device))
+        buffer = torch.zeros(shape, dtype=dtype, device=device)
         sync()
+        elapsed = time.perf_counter() - start
+        del buffer
         if run >= num_warmup:
-            times.append(1e3 * (time.perf_counter() - start))
+            times.append(1e3 * elapsed)
     return statistics.median(times)

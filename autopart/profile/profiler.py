@@ -146,8 +146,8 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
 
 
 def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: str) -> float:
-    """The full-size gradient write of one head shard's backward (``head_grad``): measured
-    on ``cpu``/``cuda``, estimated from the spec on analytical profiles, else 0."""
+    """The once-per-step zero-fill of a split head's dense gradient (``head_grad``):
+    measured on ``cpu``/``cuda``, estimated from the spec on analytical profiles, else 0."""
     shape = tuple(model.get_submodule(chain.blocks[-1].name).weight.shape)
     if isinstance(engine, AnalyticalEngine):
         return estimate_head_grad_ms(math.prod(shape), engine.spec, dtype)

@@ -140,9 +140,10 @@ class ProfileSetup:
     """The model's own code between blocks (masks, rotary tables, embedding scaling) for
     one microbatch's forward; every pipeline stage runs it per F (0: not measured)."""
     head_grad_ms: float = 0.0
-    """A zero-fill + add of a tensor the size of the head's weight: the full-size gradient
-    each vocabulary shard's backward writes (``autopart.profile.head_grad``); measured
-    or estimated as ``time_source`` says (0: not recorded)."""
+    """A fresh zero-filled tensor the size of the head's weight: the dense gradient a rank
+    with vocabulary shards of the head creates once per step, into which the shards add
+    their rows (``autopart.profile.head_grad``); measured or estimated as
+    ``time_source`` says (0: not recorded)."""
     load_average: tuple[float, ...] = ()
     """1-minute load average before and after measuring (empty for analytical profiles):
     above the core count, other work shared the CPU and the times are suspect."""

@@ -3,28 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from autopart.cost import stage_costs_of_plan, step_overhead_ms
+from autopart.cost import StageCost, shared_grad_sync_ms, stage_costs_of_plan, step_overhead_ms
+from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import Plan, TrainingSetup
 from autopart.simulate.engine import SimResult, simulate
 
 __all__ = ["simulate_plan", "with_step_overhead"]
 
 
-def with_step_overhead(result: SimResult, setup: TrainingSetup) -> SimResult:
-    """``result`` with the runtime's fixed per-step work added (``cost.step_overhead_ms``).
+def with_step_overhead(result: SimResult, setup: TrainingSetup,
+                       costs: Sequence[StageCost] = (), schedule: str = "",
+                       virtual_stages: int = 1) -> SimResult:
+    """``result`` with the runtime's per-step work outside the schedule added.
 
-    Every rank spends it outside the schedule's actions, so step and idle times grow
-    by it; busy times and the events stay the schedule's.
+    That is its fixed work (``cost.step_overhead_ms``) and, given the stages' ``costs``
+    and ``schedule``, the sum of a weight held on several ranks (tied embedding/head,
+    split head) over its holders (``cost.shared_grad_sync_ms``). Every rank waits for
+    it, so step and idle times grow by it; busy times and the events stay the schedule's.
 
     Args:
         result: A simulated step.
         setup: The training setup, whose ``runtime_overhead`` holds the per-step ms.
+        costs: The stages' costs (none: no shared-weight sum is counted).
+        schedule: The schedule's name (it places the stages on ranks).
+        virtual_stages: Stages per rank.
 
     Returns:
         The step with the overhead added (``result`` itself when there is none).
     """
     extra = step_overhead_ms(setup)
+    if costs:
+        style = schedule_info(schedule).style
+        pp_size = len(costs) // virtual_stages
+        ranks = [stage_to_rank(s, pp_size, virtual_stages, style) for s in range(len(costs))]
+        extra += shared_grad_sync_ms(costs, ranks, setup)
     if extra <= 0:
         return result
     step = result.step_ms + extra
@@ -53,8 +67,9 @@ def simulate_plan(plan: Plan, *, record_events: bool = True) -> SimResult:
         PlanError: The plan's schedule is unknown or its stages do not match
             ``pp_size * virtual_stages``.
     """
-    result = simulate(stage_costs_of_plan(plan), schedule=plan.schedule, pp_size=plan.pp_size,
+    costs = stage_costs_of_plan(plan)
+    result = simulate(costs, schedule=plan.schedule, pp_size=plan.pp_size,
                       virtual_stages=plan.virtual_stages,
                       num_microbatches=plan.num_microbatches, setup=plan.setup,
                       record_events=record_events)
-    return with_step_overhead(result, plan.setup)
+    return with_step_overhead(result, plan.setup, costs, plan.schedule, plan.virtual_stages)

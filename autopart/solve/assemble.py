@@ -55,7 +55,7 @@ def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, *, schedule: str, 
                   ) if stage_costs is None else tuple(stage_costs)
     result = simulate(costs, schedule=schedule, pp_size=pp_size, virtual_stages=virtual_stages,
                       num_microbatches=num_microbatches, setup=setup, record_events=False)
-    result = with_step_overhead(result, setup)
+    result = with_step_overhead(result, setup, costs, schedule, virtual_stages)
     limit = setup.memory_limit_bytes
     fits = limit is None or max(result.rank_peak_memory_bytes) <= limit
     return Evaluated(schedule, pp_size, virtual_stages, num_microbatches, tuple(bounds), flags,

@@ -9,14 +9,16 @@ vocabulary matmul and the loss over the logits, both linear in the rows), plus t
 carry a shard sends on (the hidden state and two float32 values per position).
 Parameters are divided by the same fraction (``num_params``, what each shard
 computes with), but the runtime holds the whole head weight on every rank with a
-shard (it indexes its rows), with a full-size gradient and optimizer state: the cost
-model counts the head's whole weight once on each such rank (``autopart.cost``), and
-a stage's backward of its shards (one slice of the weight's rows) writes a full-size
-gradient (zeros outside its rows) before adding it to the weight's, so a shard's
-workspace carries one head weight and each stage with shards pays the time of that
-zero-fill + add once per microbatch in its W (``ProfileSetup.head_grad_ms``, measured
-on cpu and cuda, estimated from memory bandwidth on analytical profiles; a profile
-without it gets a note; ``autopart.cost.stage_cost`` adds it).
+shard, with a full-size gradient and optimizer state: the cost model counts the
+head's whole weight once on each such rank (``autopart.cost``). A shard's backward
+adds only its rows into that gradient (``autopart.runtime.head_shards``), which is
+what the head's profiled backward (accumulating into an existing gradient) did for
+all rows, so the fraction holds; what the split adds is per step: the gradient's
+zero-fill when a rank first needs it (``ProfileSetup.head_grad_ms``, measured on cpu
+and cuda, estimated from memory bandwidth on analytical profiles; a profile without
+it gets a note; ``autopart.cost.stage_cost`` spreads it over the microbatches' F) and
+the sum of the gradient over the ranks holding the weight
+(``autopart.cost.shared_grad_sync_ms``).
 ``k`` makes a shard about a quarter of the smallest decoder layer (or half-layer):
 ``ceil(4 * head / unit)``, within 2..64, so that stages of uneven layer halves can
 still be levelled by the shards after them.
@@ -88,8 +90,8 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
     return split_head(profile, num), [
         f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
         f"rank with a shard holds the whole head weight ({head.num_params / 1e6:.1f}M "
-        f"parameters, counted once per rank) and each stage with shards writes a full-size "
-        f"gradient of it per microbatch ({grad})"]
+        f"parameters, counted once per rank), zero-fills its gradient once per step "
+        f"({grad}) and sums it with the other holders after the step"]
 
 
 def splits_head(profile: Profile) -> bool:
@@ -100,9 +102,9 @@ def splits_head(profile: Profile) -> bool:
 def faster_of_split_or_whole(plan_on: Callable[[Profile], Plan], profile: Profile) -> Plan:
     """The faster of ``plan_on(profile)`` (head split) and the plan with the head whole.
 
-    Every shard pays a full-size gradient write of the head weight and every rank with
-    one holds the whole weight, so on some devices the split loses: ``auto`` then keeps
-    the head whole and says why.
+    Every rank with a shard holds the whole weight, zero-fills its gradient once per
+    step and sums it with the other holders, so on some devices the split loses:
+    ``auto`` then keeps the head whole and says why.
 
     Args:
         plan_on: Plans a profile at ``sublayer`` granularity.
@@ -130,7 +132,7 @@ def faster_of_split_or_whole(plan_on: Callable[[Profile], Plan], profile: Profil
     return dataclasses.replace(whole, notes=(*whole.notes, (
         f"{head} kept whole: split into {num_shards(profile)} vocabulary shards the step is "
         f"predicted {split.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} "
-        f"ms (every stage with shards writes a full-size gradient of the head weight)")))
+        f"ms (every rank with shards holds the whole head weight and sums its gradient)")))
 
 
 def num_shards(profile: Profile) -> int:
@@ -164,7 +166,7 @@ def split_head(profile: Profile, num: int) -> Profile:
             bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
             activation_bytes=round(head.activation_bytes * frac),
             held_for_weight_bytes=round(head.held_for_weight_bytes * frac),
-            transient_bytes=round(head.transient_bytes * frac) + head.param_bytes,
+            transient_bytes=round(head.transient_bytes * frac),
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
             param_bytes=part(head.param_bytes), num_params=part(head.num_params),
             measured=(), reused_from=None,
