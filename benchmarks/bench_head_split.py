@@ -72,7 +72,7 @@ def main() -> None:
         auto = plans.pop("auto")
         print(f"auto granularity: cut after {auto.pipeline_cuts[0]} "
               f"({'head split' if auto.granularity == 'sublayer' else 'head whole'}); "
-              f"gradient write per shard stage {profile.setup.head_grad_ms:.2f} ms (measured)")
+              f"head gradient zero-fill {profile.setup.head_grad_ms:.2f} ms per step (measured)")
         settings = RunSettings(model=model, steps=args.steps, warmup=args.warmup,
                                threads_per_rank=1)
         reports = {}
