@@ -27,6 +27,10 @@ Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per sta
   feeds a weight (the blocks' ``held_for_weight_bytes``); the first stage skips B
   (its W runs the full backward), so it adds nothing; the last stage drops its held
   output (the logits) at B, as the loss is all its backward state keeps.
+- ``adopted_grad_bytes``: the part of ``transient_bytes`` that is weight gradients.
+  A stage's first backward in a step (gradients ``None`` after ``zero_grad()``)
+  hands them to the parameters' ``.grad``, counted in ``static_bytes``, and a
+  forward computes none, so the simulator leaves them out of those actions' workspace.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class StageCost:
     held_for_weight_bytes: int = 0
     """Split-backward schedules: bytes a microbatch holds from its B until its W on top
     of ``activation_bytes`` (module docstring; negative when B frees more than it keeps)."""
+    adopted_grad_bytes: int = 0
+    """The part of ``transient_bytes`` that is weight gradients: paid only by the stage's
+    weight-gradient backwards after its first in a step (module docstring)."""
 
     @property
     def bwd_ms(self) -> float:
@@ -224,6 +231,8 @@ class BlockArrays:
     """The model's code between blocks, which every stage runs per F (the profile's)."""
     prefix_held_for_weight: np.ndarray | None = None
     """Prefix of the blocks' ``held_for_weight_bytes`` (None: all zero)."""
+    adopted_grad_bytes: np.ndarray | None = None
+    """Per block, the weight gradients in its workspace (None: all zero)."""
 
     @property
     def num_blocks(self) -> int:
@@ -276,6 +285,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         head_grad_fwd_ms=profile.setup.head_grad_ms / max(setup.num_microbatches, 1),
         prefix_held_for_weight=prefix(np.array([b.held_for_weight_bytes for b in blocks],
                                                dtype=np.int64)),
+        adopted_grad_bytes=np.array([b.adopted_grad_bytes for b in blocks], dtype=np.int64),
     )
 
 
@@ -335,14 +345,18 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     sl = slice(first, last + 1)
     fwd = float(arrays.prefix_fwd[last + 1] - arrays.prefix_fwd[first])
     bwd_in = float(arrays.prefix_bwd_input[last + 1] - arrays.prefix_bwd_input[first])
-    transient = _stage_workspace(arrays, first, last)
+    work = arrays.transient_bytes
+    work_first = work if arrays.adopted_grad_bytes is None else work - arrays.adopted_grad_bytes
+    transient = _stage_workspace(arrays, work, first, last)
+    adopted = transient - _stage_workspace(arrays, work_first, first, last)
     input_bytes = int(arrays.output_bytes[first - 1]) if first > 0 else 0
     if recompute:
         bwd_in += float(arrays.prefix_recompute_fwd[last + 1]
                         - arrays.prefix_recompute_fwd[first])
         act = int(arrays.prefix_kept[last + 1] - arrays.prefix_kept[first])
         rebuilt = arrays.activation_bytes[sl][arrays.checkpointed[sl]]
-        transient = int(arrays.transient_bytes[sl].max())
+        transient = int(work[sl].max())
+        adopted = transient - int(work_first[sl].max())
         transient += int(rebuilt.max()) if len(rebuilt) else 0
         first_keeps = input_bytes if arrays.checkpointed[first] else arrays.activation_bytes[first]
     else:
@@ -366,6 +380,7 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         tied_static_bytes=tied_whole,
         tied_part_bytes=tied_part,
         held_for_weight_bytes=_held_for_weight(arrays, first, last),
+        adopted_grad_bytes=adopted,
     )
 
 
@@ -409,9 +424,10 @@ def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,
     return overhead.fwd_action_ms + p2p, overhead.bwd_action_ms + p2p
 
 
-def _stage_workspace(arrays: BlockArrays, first: int, last: int) -> int:
-    """Bytes above the stage's held activations at its peak: ``max_j (transient_j -
-    activations of the stage's blocks after j)``, at least 0.
+def _stage_workspace(arrays: BlockArrays, work: np.ndarray, first: int, last: int) -> int:
+    """Bytes above the stage's held activations at its peak: ``max_j (work_j -
+    activations of the stage's blocks after j)``, at least 0 (``work``: the blocks'
+    ``transient_bytes``, or those less their adopted gradients).
 
     Block ``j`` runs (forward, or backward) while the blocks before it hold their
     activations and the blocks after it do not (not yet, or no longer), so its
@@ -419,7 +435,7 @@ def _stage_workspace(arrays: BlockArrays, first: int, last: int) -> int:
     gradient (as large as its weight, accumulated per microbatch) thus hides under
     the layers' activations that are not alive while it runs.
     """
-    work = arrays.transient_bytes[first:last + 1]
+    work = work[first:last + 1]
     held_after = (arrays.prefix_activation[last + 1]
                   - arrays.prefix_activation[first + 1:last + 2])
     return max(int((work - held_after).max()), 0)
@@ -434,5 +450,6 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       param_count=s.param_count, recompute=s.recompute,
                       tied_static_bytes=s.tied_static_bytes,
                       tied_part_bytes=s.tied_part_bytes,
-                      held_for_weight_bytes=s.held_for_weight_bytes)
+                      held_for_weight_bytes=s.held_for_weight_bytes,
+                      adopted_grad_bytes=s.adopted_grad_bytes)
             for s in plan.stages]

@@ -63,6 +63,8 @@ def fuse_halves(halves: Sequence[BlockProfile], class_name: str = "") -> BlockPr
         held_for_weight_bytes=sum(h.held_for_weight_bytes for h in halves),
         output_bytes=last.output_bytes,
         transient_bytes=max(h.transient_bytes for h in halves),
+        adopted_grad_bytes=max(h.transient_bytes for h in halves)
+        - max(h.transient_bytes - h.adopted_grad_bytes for h in halves),
         num_params=sum(h.num_params for h in halves),
         fwd_ms_spread=max(h.fwd_ms_spread for h in halves),
         bwd_ms_spread=max(h.bwd_ms_spread for h in halves),

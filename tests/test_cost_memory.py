@@ -68,6 +68,24 @@ def test_gpipe_holds_every_microbatch_and_its_output():
                                           240 + 400 + 4 * 664 + 500)
 
 
+def test_first_backward_hands_its_weight_gradients_to_grad():
+    """300 of the head's 500 workspace bytes are its weight gradient. GPipe's rank 1 runs
+    F3 (computing no gradient) and B0 (its gradient becomes ``.grad``, static) with all 4
+    microbatches held (664 each): 4 * 664 + 200; B1 pays the whole 500 with 3 held,
+    less. 1F1B's rank 1 holds one microbatch, so its peak is B1's 664 + 500 as before."""
+    blocks = list(_llm().blocks)
+    blocks[3] = dataclasses.replace(blocks[3], adopted_grad_bytes=300)
+    arrays = block_arrays(dataclasses.replace(_llm(), blocks=tuple(blocks)), SETUP)
+    costs = [stage_cost(arrays, 0, 1), stage_cost(arrays, 2, 3)]
+    assert [c.adopted_grad_bytes for c in costs] == [0, 300]
+    gpipe = simulate(costs, schedule="gpipe", pp_size=2, virtual_stages=1, num_microbatches=4,
+                     setup=SETUP)
+    assert gpipe.rank_peak_memory_bytes[1] == 240 + 400 + 4 * 664 + 200
+    one_f_one_b = simulate(costs, schedule="1f1b", pp_size=2, virtual_stages=1,
+                           num_microbatches=4, setup=SETUP)
+    assert one_f_one_b.rank_peak_memory_bytes[1] == 240 + 400 + 664 + 500
+
+
 def test_zero_bubble_holds_the_weight_gradients_from_b_to_w():
     """ZBV on one rank (v = 2, m = 1) runs F0s0 F0s1 B0s1 W0s1 B0s0 W0s0. Stage 1 = l1,
     head keeps l1's 200 and the head's 100 gradient bytes from B to W but drops its

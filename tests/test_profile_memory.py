@@ -120,6 +120,20 @@ def test_held_for_weight_is_each_linear_output_gradient():
                                                                  2 * 16 * 3 * 4]
 
 
+def test_adopted_gradients_are_the_weight_gradients_in_the_workspace():
+    """Linear(200, 300) + the documented loss: its backward's peak holds the weight and
+    bias gradients (``.grad``) and a 4-byte scalar. Without them the peak is the
+    output's gradients (2 x 16 x 300 floats each; how many are alive at once depends on
+    when Python frees them), so the gradients' part is positive and at most their size."""
+    model = nn.Sequential(nn.Linear(12, 200), nn.Linear(200, 300))
+    profile = profile_model(model, micro_batch_size=2, **FAST)
+    last = profile.blocks[-1]
+    grads = (200 * 300 + 300) * 4
+    assert last.transient_bytes == grads + 4
+    assert 0 < last.adopted_grad_bytes <= grads
+    assert last.transient_bytes - last.adopted_grad_bytes >= 2 * 16 * 300 * 4
+
+
 def test_measured_activations_match_the_shape_computation():
     """CPU measurement (real SDPA kernel) and analytical count on meta (flash stand-in) agree."""
     cpu = profile_model("tiny-llama", **FAST)

@@ -74,6 +74,8 @@ class MemoryFigures:
     transient_bytes: int
     held_for_weight_bytes: int = 0
     """Gradients the block's B keeps for its W (``held_for_weight_bytes``)."""
+    adopted_grad_bytes: int = 0
+    """The part of ``transient_bytes`` that is the weights' gradients (``BlockProfile``)."""
 
 
 def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
@@ -145,6 +147,10 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     at the block's own peak (``coinciding_workspace``): with ``backend`` = CUDA the
     allocator's peak above the start, less the new saved activations, the output and
     the input gradient; else (CPU, meta) the same from the live-tensor log.
+
+    The weights' gradients are ``None`` before, as after ``zero_grad()``: autograd
+    allocates them in the backward, and the log sees them in the workspace. The part
+    of the workspace they make up is ``adopted_grad_bytes`` (CPU, meta; 0 on CUDA).
     """
     grad_out = incoming_grad(task)
     task.inputs.grad = None
@@ -168,16 +174,31 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     out_key = storage_key(out)
     grad_key = storage_key(task.inputs.grad) if task.inputs.grad is not None else None
     output_bytes = tensor_bytes(out)
+    adopted = 0
     if peak is None:
         transient = coinciding_workspace(live, saved.storages, in_key, {out_key, grad_key})
+        weight_grads = {storage_key(p.grad) for p in task.trainable() if p.grad is not None}
+        adopted = transient - coinciding_workspace(_without_last(live, weight_grads),
+                                                   saved.storages, in_key, {out_key, grad_key})
     else:
         new_saved = sum(b for k, b in saved.storages.items() if k not in (in_key, out_key))
         grad_bytes = tensor_bytes(task.inputs.grad) if task.inputs.grad is not None else 0
         transient = max(peak - new_saved - output_bytes - grad_bytes, 0)
     task.inputs.grad = None
     return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=output_bytes,
-                         transient_bytes=transient,
+                         transient_bytes=transient, adopted_grad_bytes=adopted,
                          held_for_weight_bytes=held_for_weight_bytes(task))
+
+
+def _without_last(live: LiveTensors, keys: set[int | None]) -> LiveTensors:
+    """A copy of the log without the latest allocation (and its free) of each key: the
+    tensors now held under those keys (keys are addresses; earlier storages at the same
+    address are other tensors and stay)."""
+    last = {key: i for i, (key, delta) in enumerate(live.events) if key in keys and delta > 0}
+    copy = LiveTensors()
+    copy.events = [(key, delta) for i, (key, delta) in enumerate(live.events)
+                   if not (key in last and i >= last[key])]
+    return copy
 
 
 def held_for_weight_bytes(task: BlockTask) -> int:

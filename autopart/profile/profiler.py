@@ -320,6 +320,8 @@ def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockP
         param_bytes=sum(c.param_bytes for c in calls),
         activation_bytes=sum(x.activation_bytes for x in m), output_bytes=m[-1].output_bytes,
         transient_bytes=max(x.transient_bytes for x in m),
+        adopted_grad_bytes=max(x.transient_bytes for x in m)
+        - max(x.transient_bytes - x.adopted_grad_bytes for x in m),
         held_for_weight_bytes=sum(x.held_for_weight_bytes for x in m),
         num_params=sum(c.num_params for c in calls),
         fwd_ms_spread=max(x.fwd_ms_spread for x in t),

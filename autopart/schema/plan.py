@@ -165,6 +165,10 @@ class StagePlan:
     held_for_weight_bytes: int = 0
     """Zero-bubble schedules: bytes a microbatch holds from its B until its W on top of
     ``activation_bytes`` (``autopart.cost.StageCost``; 0 in plans written before it)."""
+    adopted_grad_bytes: int = 0
+    """The part of ``transient_bytes`` that is weight gradients, paid only by backwards
+    after the stage's first in a step (``autopart.cost.StageCost``; 0 in plans written
+    before it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,7 +14,8 @@ BLOCK_KINDS = ("embedding", "decoder_layer", "attention", "mlp", "norm", "head",
 GRANULARITIES = ("layer", "sublayer", "quarter")
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
-                              "num_params", "compile_ms", "held_for_weight_bytes")
+                              "num_params", "compile_ms", "held_for_weight_bytes",
+                              "adopted_grad_bytes")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -76,6 +77,14 @@ class BlockProfile:
     output's size) for ``stage_backward_weight``. Measured by the profiler (on meta for
     ``analytical``); 0 in profiles written before this field, which models B..W as
     holding the activations alone."""
+    adopted_grad_bytes: int = 0
+    """The part of ``transient_bytes`` that is the block's weight gradients (measured with
+    the gradients ``None``, as after ``zero_grad()``). A stage's first backward in a step
+    hands them to the parameters' ``.grad`` (static memory) and a forward computes none,
+    so there the workspace is ``transient_bytes - adopted_grad_bytes``; later backwards
+    add into ``.grad`` and pay them as workspace. Measured on CPU and meta; 0 on CUDA
+    and in profiles written before this field, which counts the whole workspace on
+    every action."""
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:
@@ -86,6 +95,10 @@ class BlockProfile:
             if not (math.isfinite(value) and value >= 0):
                 raise SchemaError(f"block {self.name!r} has {name} = {value!r}, expected a "
                                   f"finite number >= 0")
+        if self.adopted_grad_bytes > self.transient_bytes:
+            raise SchemaError(f"block {self.name!r} has adopted_grad_bytes "
+                              f"({self.adopted_grad_bytes}) > transient_bytes "
+                              f"({self.transient_bytes}); it is a part of it: profile again")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -109,10 +109,13 @@ def _merge_group(parts: list[tuple]) -> list[tuple]:
 
 @lru_cache(maxsize=32)
 def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
-                ) -> tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray], ...]:
+                ) -> tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray], ...]:
     """Per rank: its stages, one row per distinct moment an action runs with how many
-    microbatches each of those stages holds then, and the column of the running stage.
-    Cached.
+    microbatches each of those stages holds then, the column of the running stage, and
+    whether the action pays its stage's weight gradients as workspace: a weight-gradient
+    backward (``B``, or ``W`` in split schedules) after the stage's first in the step.
+    The first hands them to ``.grad`` (static) and ``F`` (and a split ``B``) computes
+    none, so those leave out ``StageCost.adopted_grad_bytes``. Cached.
 
     A row has two columns per stage (``2 * len(stages)``): microbatches between their
     ``F`` and ``B``, then (split schedules) those between their ``B`` and ``W``. A
@@ -131,11 +134,16 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
         column = {s: c for c, s in enumerate(stages)}
         held = [0] * (2 * num)
         moments = set()
+        grads = 2 if info.split_backward else 1
+        seen = set()
         for entry in row:
             kind, col = entry[0], column[entry[1]]
             if kind == 0:
                 held[col] += 1
-            moments.add((*held, col))
+            pays = kind == grads and col in seen
+            if kind == grads:
+                seen.add(col)
+            moments.add((*held, col, int(pays)))
             if kind == 1:
                 held[col] -= 1
                 if info.split_backward:
@@ -143,5 +151,5 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
             elif kind == 2:
                 held[num + col] -= 1
         table = np.array(sorted(moments), dtype=np.int64)
-        out.append((stages, table[:, :-1], table[:, -1]))
+        out.append((stages, table[:, :-2], table[:, -2], table[:, -1].astype(bool)))
     return tuple(out)

@@ -23,8 +23,10 @@ holds ``activation_bytes`` of stage ``s`` from its start until the end of the
 releasing backward (``B``, or ``W`` in split schedules; between the two it holds
 ``held_for_weight_bytes`` more); while an action of stage ``s`` runs, its
 ``transient_bytes`` come on top of what is held (during ``F``, on top of this
-microbatch's activations too). Because a rank runs one action at a time this
-peak follows from the order alone.
+microbatch's activations too), less ``adopted_grad_bytes`` except on the stage's
+weight-gradient backwards after its first in the step (``F`` and a split ``B``
+compute no weight gradients; the first backward's become ``.grad``). Because a rank runs
+one action at a time this peak follows from the order alone.
 """
 
 from __future__ import annotations
@@ -333,12 +335,13 @@ def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
                  virtual_stages: int, num_microbatches: int) -> tuple[int, ...]:
     """Per rank: static + receive buffers + the most held at once, workspace included."""
     peaks = []
-    for stages, counts, running in held_counts(schedule, pp_size, virtual_stages,
-                                               num_microbatches):
+    for stages, counts, running, pays in held_counts(schedule, pp_size, virtual_stages,
+                                                     num_microbatches):
         act = np.array([stage_costs[s].activation_bytes for s in stages], dtype=np.int64)
         act = np.concatenate([act, act + [stage_costs[s].held_for_weight_bytes for s in stages]])
         work = np.array([stage_costs[s].transient_bytes for s in stages], dtype=np.int64)
-        peak = int((counts @ act + work[running]).max())
+        adopted = np.array([stage_costs[s].adopted_grad_bytes for s in stages], dtype=np.int64)
+        peak = int((counts @ act + work[running] - np.where(pays, 0, adopted[running])).max())
         base = rank_static_bytes(stage_costs, stages) + sum(
             recv_buffer_bytes(stage_costs[s], num_microbatches) for s in stages)
         peaks.append(base + peak)

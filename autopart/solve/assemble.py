@@ -94,7 +94,8 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
             input_bytes=cost.input_bytes, output_bytes=cost.output_bytes,
             transient_bytes=cost.transient_bytes,
             tied_static_bytes=cost.tied_static_bytes, tied_part_bytes=cost.tied_part_bytes,
-            held_for_weight_bytes=cost.held_for_weight_bytes))
+            held_for_weight_bytes=cost.held_for_weight_bytes,
+            adopted_grad_bytes=cost.adopted_grad_bytes))
     result = best.result
     ranks = tuple(
         RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),

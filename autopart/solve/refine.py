@@ -66,7 +66,9 @@ def _fuse(blocks: Sequence[BlockProfile]) -> BlockProfile:
         param_bytes=int(total("param_bytes")), num_params=int(total("num_params")),
         activation_bytes=int(total("activation_bytes")),
         held_for_weight_bytes=int(total("held_for_weight_bytes")),
-        transient_bytes=max(b.transient_bytes for b in blocks), reused_from=None)
+        transient_bytes=max(b.transient_bytes for b in blocks),
+        adopted_grad_bytes=max(b.transient_bytes for b in blocks)
+        - max(b.transient_bytes - b.adopted_grad_bytes for b in blocks), reused_from=None)
 
 
 class Judge(Protocol):

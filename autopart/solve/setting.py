@@ -185,7 +185,8 @@ def _with_machine_check(profile: Profile, setup_fields: dict[str, Any]) -> dict[
 
 
 def rescaled(profile: Profile, micro_batch_size: int) -> Profile:
-    """The profile with per-microbatch times and activations scaled to a new batch size."""
+    """The profile with per-microbatch times and activations scaled to a new batch size
+    (the weight gradients in a block's workspace, ``adopted_grad_bytes``, do not scale)."""
     factor = micro_batch_size / profile.setup.micro_batch_size
     if factor == 1:
         return profile
@@ -195,7 +196,9 @@ def rescaled(profile: Profile, micro_batch_size: int) -> Profile:
         activation_bytes=round(b.activation_bytes * factor),
         held_for_weight_bytes=round(b.held_for_weight_bytes * factor),
         output_bytes=round(b.output_bytes * factor),
-        transient_bytes=round(b.transient_bytes * factor)) for b in profile.blocks)
+        transient_bytes=round(b.transient_bytes * factor),
+        adopted_grad_bytes=min(b.adopted_grad_bytes, round(b.transient_bytes * factor)))
+        for b in profile.blocks)
     setup = dataclasses.replace(profile.setup, micro_batch_size=micro_batch_size)
     return dataclasses.replace(profile, blocks=blocks, setup=setup)
 

@@ -165,7 +165,7 @@ def split_head(profile: Profile, num: int) -> Profile:
             head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
             bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
             activation_bytes=round(head.activation_bytes * frac),
-            held_for_weight_bytes=round(head.held_for_weight_bytes * frac),
+            held_for_weight_bytes=round(head.held_for_weight_bytes * frac), adopted_grad_bytes=0,
             transient_bytes=round(head.transient_bytes * frac),
             output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
             param_bytes=part(head.param_bytes), num_params=part(head.num_params),
