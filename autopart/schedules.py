@@ -38,6 +38,9 @@ class ScheduleInfo:
     """B and W run as separate actions (zero-bubble schedules)."""
     fixed_virtual_stages: int | None = None
     """Schedules that require an exact number of stages per rank (ZBV, DualPipeV: 2)."""
+    blocking_sends: bool = False
+    """torch batches a rank's steady-state sends with its next receive and waits on the
+    batch before computing on (1F1B), so those transfers do not overlap compute."""
 
 
 SCHEDULES: dict[str, ScheduleInfo] = {
@@ -46,7 +49,8 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         ScheduleInfo(name="gpipe", torch_class="ScheduleGPipe", multi_stage=False,
                      style="loop", split_backward=False, fixed_virtual_stages=1),
         ScheduleInfo(name="1f1b", torch_class="Schedule1F1B", multi_stage=False,
-                     style="loop", split_backward=False, fixed_virtual_stages=1),
+                     style="loop", split_backward=False, fixed_virtual_stages=1,
+                     blocking_sends=True),
         ScheduleInfo(name="interleaved-1f1b", torch_class="ScheduleInterleaved1F1B",
                      multi_stage=True, style="loop", split_backward=False),
         ScheduleInfo(name="looped-bfs", torch_class="ScheduleLoopedBFS",

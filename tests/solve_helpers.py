@@ -61,8 +61,10 @@ def chain_of(profile: Profile, setup: TrainingSetup | None = None) -> Chain:
 
 def brute_force(chain: Chain, num_stages: int, in_flight: Sequence[int],
                 limits: Sequence[float | None], weight: float,
-                allow_recompute: bool = True) -> float | None:
+                allow_recompute: bool = True, blocking: bool = False) -> float | None:
     """Best objective (1) over every split and recompute choice; None if none fits."""
+    from autopart.solve.dp import plan_objective
+
     n = chain.num_blocks
     best = None
     for cuts in itertools.combinations(range(1, n), num_stages - 1):
@@ -74,8 +76,7 @@ def brute_force(chain: Chain, num_stages: int, in_flight: Sequence[int],
                        for (i, j), r, k, lim in zip(bounds, flags, in_flight, limits))
             if not fits:
                 continue
-            times = [chain.stage_time(i, j, r) for (i, j), r in zip(bounds, flags)]
-            obj = weight * max(times) + sum(times)
+            obj = plan_objective(chain, bounds, flags, weight, blocking)[0]
             best = obj if best is None or obj < best else best
     return best
 

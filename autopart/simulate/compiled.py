@@ -34,7 +34,8 @@ def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
     action's group ends (``flush``; 2: the rank then waits until its sends end, as
     1F1B's batched send/receive does). Cached.
     """
-    style = schedule_info(schedule).style
+    info = schedule_info(schedule)
+    style = info.style
     num_stages = pp_size * virtual_stages
     rank_of = [stage_to_rank(s, pp_size, virtual_stages, style) for s in range(num_stages)]
     rows = []
@@ -47,7 +48,7 @@ def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
             if len(parts) > 1:
                 parts = _merge_group(parts)
             row.extend(parts)
-        if schedule == "1f1b":
+        if info.blocking_sends:
             row = _blocking_sends_1f1b(row, min(num_microbatches, pp_size - rank))
         rows.append(tuple(row))
     return tuple(rows)

@@ -7,6 +7,17 @@ definitions below, so their answers are comparable:
 
     time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of checkpointed blocks + comm(j)
     comm(j)            = autopart.cost.comm_ms(output_bytes[j - 1])  for 0 < j < n, else 0
+    neck(i, j, r, b)   = time(i, j, r) - comm(j) + b * (comm(j) + [i > 0] * comm_max)
+
+``time`` counts one direction per cut (the ILP's stage time). The DP's objective
+(``autopart.solve.dp``) counts what the simulator does: both directions of every cut
+(the activation forward, the gradient backward) on the fill/drain path, and in a
+stage's steady-state round, ``neck``, the transfers only where the rank waits on them
+(``b = 1``: 1F1B's batched send/recv; other schedules send asynchronously). A round
+of 1F1B waits on the stage's output cut and on its input cut, bounded by
+``comm_max``, the costliest cut, so that ``neck`` shrinks as the start moves right
+(the DP's windows need it); every cut of an LLM's chain carries the same hidden
+state, so the bound is that cut's own cost there.
     memory(i, j, r, k) = static(i..j-1) + k * act_r(i..j-1) + transient_r(i..j-1)
                          + m * max(out[b] for b in [max(i - 1, 0), j - 1])
                          + (m + k) * out[j - 1]
@@ -99,6 +110,17 @@ class Chain:
     cache: dict = field(default_factory=dict)
 
     @property
+    def comm_max(self) -> float:
+        """The costliest cut's one-way transfer (0 without cuts)."""
+        return float(self.comm_at[1:-1].max()) if self.num_blocks > 1 else 0.0
+
+    def neck_time(self, i: int, j: int, r: int, blocking: bool) -> float:
+        """``neck(i, j, r, blocking)`` as defined in the module docstring."""
+        q = self.time_prefix[r]
+        comm = self.comm_at[j] + (self.comm_max if i > 0 else 0.0) if blocking else 0.0
+        return float(q[j] - q[i] + comm)
+
+    @property
     def total_time_ms(self) -> float:
         """F+B+W of every block: the constant part of ``sum_s time``."""
         return float(self.time_prefix[0][-1])
@@ -160,21 +182,28 @@ class Chain:
             row[0] = 0
             self.cache[(r, k, limit_bytes)] = row
 
-    def lo_time(self, r: int, bound_ms: float) -> np.ndarray:
-        """For each end j the smallest start i with ``time(i, j, r) <= bound_ms``."""
+    def lo_time(self, r: int, bound_ms: float, blocking: bool, first: bool) -> np.ndarray:
+        """For each end j the smallest start i with ``neck(i, j, r, blocking) <= bound_ms``,
+        for the first stage (``first``: i = 0, no input cut) or any other (i > 0)."""
         q = self.time_prefix[r]
         bound = bound_ms + _REL_TOL * max(1.0, abs(bound_ms))
-        lo = np.searchsorted(q, q + self.comm_at - bound, side="left")
+        if blocking:
+            bound -= 0.0 if first else self.comm_max
+            lo = np.searchsorted(q, q + self.comm_at - bound, side="left")
+        else:
+            lo = np.searchsorted(q, q - bound, side="left")
         return np.minimum(lo, np.arange(self.num_blocks + 1))
 
-    def all_stage_times(self, recompute: bool) -> np.ndarray:
-        """Every distinct stage time (both r when ``recompute``), sorted."""
+    def all_stage_times(self, recompute: bool, blocking: bool = False) -> np.ndarray:
+        """Every distinct ``neck`` (both r when ``recompute``), sorted."""
         n = self.num_blocks
         starts, ends = np.triu_indices(n + 1, k=1)
-        values = [self.time_prefix[0][ends] - self.time_prefix[0][starts] + self.comm_at[ends]]
-        if recompute:
-            q = self.time_prefix[1]
-            values.append(q[ends] - q[starts] + self.comm_at[ends])
+        values = []
+        for q in self.time_prefix[:1 + int(recompute)]:
+            work = q[ends] - q[starts]
+            if blocking:
+                work = work + self.comm_at[ends] + np.where(starts > 0, self.comm_max, 0.0)
+            values.append(work)
         times = np.unique(np.concatenate(values))
         # Merge values that differ only by rounding (the bounds honour _REL_TOL anyway).
         keep = np.ones(len(times), dtype=bool)

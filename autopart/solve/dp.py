@@ -1,34 +1,42 @@
 """Exact dynamic programming for contiguous pipeline stages over a block chain.
 
-Objective (``time``/``memory`` as in ``autopart.solve.chain``): split the ``n``
-blocks into ``S`` contiguous, non-empty stages ``[i_s, j_s)``, each with a recompute
-flag ``r_s``, to minimize
+Objective (``work``/``neck``/``comm``/``memory`` as in ``autopart.solve.chain``):
+split the ``n`` blocks into ``S`` contiguous, non-empty stages ``[i_s, j_s)``, each
+with a recompute flag ``r_s``, to minimize
 
-    w * max_s time_s  +  sum_s time_s                                     (1)
+    w * max_s neck_s  +  sum_s work_s  +  2 * sum_(s < S-1) comm(j_s)        (1)
 
 subject to ``memory(i_s, j_s, r_s, in_flight[s]) <= limit[s]`` for every stage.
-With ``w = m - 1`` and one stage per rank, (1) is the classic 1F1B step time
-(fill/drain of every stage once, then ``m - 1`` rounds of the slowest stage).
+With ``w = m - 1`` and one stage per rank, (1) is the classic step time: fill/drain
+of every stage once, each cut crossed twice (activations forward, gradients back),
+then ``m - 1`` rounds of the slowest stage, whose round includes the transfers the
+rank waits on (``blocking``: 1F1B's batched send/recv; GPipe's sends overlap). It is
+what the simulator (``autopart.simulate``) computes on uniform chains under GPipe, and
+under 1F1B with pp = 2; under 1F1B with more stages it is an upper bound (a middle
+stage's last round overlaps one transfer: one cut's ``comm`` too much on uniform
+chains), as it is wherever a cut's transfer outlasts the compute it overlaps.
 
-Algorithm. Write ``sum_s time_s = C + X`` where ``C`` (all blocks' F+B+W) is fixed
-and ``X`` (cut communication + recomputed forwards) depends on the plan. For a
-bottleneck bound ``B`` let ``g(B) = min X`` over plans with every ``time_s <= B``.
+Algorithm. Write ``sum_s work_s + 2 * sum comm = C + X`` where ``C`` (all blocks'
+F+B+W) is fixed and ``X`` (cut communication + recomputed forwards) depends on the
+plan. For a bottleneck bound ``B`` let ``g(B) = min X`` over plans with every
+``neck_s <= B``.
 
 1. ``B*`` = smallest feasible bottleneck: bisection over the sorted distinct stage
    times with a boolean reachability DP (``_feasible``), O(S * n) vectorized.
 2. ``g(B)`` is a min-sum DP: ``f_s[j] = comm(j) + min(min_{i in W0} f_{s-1}[i],
    F[j] + min_{i in W1} (f_{s-1}[i] - F[i]))`` where the windows ``W_r = [lo_r(j),
    j-1]`` hold the starts whose stage meets ``B`` and the memory limit (a window
-   because time and memory only shrink as the start moves right; see ``chain``).
+   because neck and memory only shrink as the start moves right; see ``chain``), and
+   ``comm(j)`` counts both directions.
    Window minima come from sparse tables: O(S * n log n) vectorized.
-3. Exactness: let ``P*`` be optimal and ``B' = max time_s(P*)``, a stage time
+3. Exactness: let ``P*`` be optimal and ``B' = max neck_s(P*)``, a neck
    ``>= B*``. ``g(B') <= X(P*)``, so ``w*B' + C + g(B') <= obj(P*)``, and the DP's
    plan at ``B'`` has objective ``<= w*B' + C + g(B')``. Hence the optimum is
    ``min_B w*B + C + g(B)`` over stage times ``B >= B*``. ``g`` is a non-increasing
    step function, so within a plateau the smallest ``B`` wins: we visit plateau
    starts in increasing order (bisection for the first ``B`` with a smaller ``g``)
    and stop once ``w*B + C + X_low`` cannot beat the best, ``X_low`` being the
-   ``S - 1`` cheapest cuts (a lower bound on ``X``). With ``w = 0`` step 2 at
+   ``S - 1`` cheapest cuts, both ways (a lower bound on ``X``). With ``w = 0`` step 2 at
    ``B = inf`` is the answer.
 
 For ``virtual_stages > 1`` the caller passes the ``S = pp * v`` stages with a
@@ -62,18 +70,21 @@ class DPSolution:
 
 
 def plan_objective(chain: Chain, bounds: Sequence[tuple[int, int]],
-                   recompute: Sequence[bool], weight: float) -> tuple[float, float]:
-    """Objective (1) and the bottleneck of a given split."""
-    times = [chain.stage_time(i, j, int(r)) for (i, j), r in zip(bounds, recompute)]
-    return weight * max(times) + sum(times), max(times)
+                   recompute: Sequence[bool], weight: float,
+                   blocking: bool = False) -> tuple[float, float]:
+    """Objective (1) and the bottleneck (the largest neck) of a given split."""
+    necks = [chain.neck_time(i, j, int(r), blocking) for (i, j), r in zip(bounds, recompute)]
+    total = sum(chain.stage_time(i, j, int(r)) + chain.comm_at[j]
+                for (i, j), r in zip(bounds, recompute))
+    return weight * max(necks) + total, max(necks)
 
 
 class _Windows:
     """Per-stage feasible-start windows for one bottleneck bound."""
 
     def __init__(self, chain: Chain, in_flight: Sequence[int],
-                 limits: Sequence[float | None], recompute: bool) -> None:
-        self.chain = chain
+                 limits: Sequence[float | None], recompute: bool, blocking: bool) -> None:
+        self.chain, self.blocking = chain, blocking
         for limit in set(limits):
             ks = [k for k, lim in zip(in_flight, limits) if lim == limit]
             chain.prepare_lo_memory(0, ks, limit)
@@ -85,10 +96,13 @@ class _Windows:
         self.use_rc = [rc is not None and bool((rc < m0).any()) for m0, rc in self.mem]
 
     def at(self, bound_ms: float) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        t0 = self.chain.lo_time(0, bound_ms)
-        t1 = self.chain.lo_time(1, bound_ms) if any(self.use_rc) else None
-        return [(np.maximum(t0, m0), np.maximum(t1, m1) if use else None)
-                for (m0, m1), use in zip(self.mem, self.use_rc)]
+        chain, blocking = self.chain, self.blocking
+        times = [(chain.lo_time(0, bound_ms, blocking, first),
+                  chain.lo_time(1, bound_ms, blocking, first) if any(self.use_rc) else None)
+                 for first in (True, False)]
+        return [(np.maximum(times[s > 0][0], m0),
+                 np.maximum(times[s > 0][1], m1) if use else None)
+                for s, ((m0, m1), use) in enumerate(zip(self.mem, self.use_rc))]
 
 
 def _feasible(windows: list[tuple[np.ndarray, np.ndarray | None]], n: int) -> bool:
@@ -125,7 +139,7 @@ def _min_sum(chain: Chain, windows: list[tuple[np.ndarray, np.ndarray | None]]
         best = _window_min(f, lo0)
         if lo1 is not None:
             best = np.minimum(best, _window_min(f - fwd, lo1) + fwd)
-        f = chain.comm_at + best
+        f = 2 * chain.comm_at + best
         history.append(f)
     return float(f[n]), history
 
@@ -161,7 +175,9 @@ def _smallest_bottleneck(chain: Chain, windows_of: _Windows, candidates: np.ndar
                          num_stages: int) -> int:
     """Index in ``candidates`` of the smallest feasible bottleneck ``B*``."""
     n = chain.num_blocks
-    single = chain.time_prefix[0][1:] - chain.time_prefix[0][:-1] + chain.comm_at[1:]
+    single = chain.time_prefix[0][1:] - chain.time_prefix[0][:-1]
+    if windows_of.blocking:
+        single = single + chain.comm_at[1:]
     lower = max(chain.total_time_ms / num_stages, float(single.min()))
     lo = int(np.searchsorted(candidates, lower * (1 - 1e-9), side="left"))
     hi = len(candidates) - 1  # every stage meets the largest stage time
@@ -175,14 +191,15 @@ def _smallest_bottleneck(chain: Chain, windows_of: _Windows, candidates: np.ndar
 
 
 def _cheapest_cuts(chain: Chain, num_stages: int) -> float:
-    """Lower bound on X: the ``S - 1`` cheapest cut positions (recompute costs >= 0)."""
+    """Lower bound on X: the ``S - 1`` cheapest cut positions, both ways (recompute
+    costs >= 0)."""
     cuts = np.sort(chain.comm_at[1:-1])
-    return float(cuts[: num_stages - 1].sum())
+    return 2 * float(cuts[: num_stages - 1].sum())
 
 
 def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
              limits_bytes: Sequence[float | None], weight: float,
-             allow_recompute: bool = True) -> DPSolution | None:
+             allow_recompute: bool = True, blocking: bool = False) -> DPSolution | None:
     """Split ``chain`` into contiguous stages minimizing objective (1) exactly.
 
     Args:
@@ -192,6 +209,8 @@ def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
         limits_bytes: Per stage, its memory limit (``None``: unlimited).
         weight: ``w`` in (1); ``num_microbatches - 1`` gives the 1F1B step time.
         allow_recompute: Let a stage recompute its forward to fit its limit.
+        blocking: The schedule waits on its sends (``ScheduleInfo.blocking_sends``):
+            each stage's steady-state round includes its cuts' transfers.
 
     Returns:
         The optimal split with its recompute flags, objective and bottleneck, or
@@ -206,7 +225,7 @@ def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{n} (the number of blocks)")
     if len(in_flight) != num_stages or len(limits_bytes) != num_stages:
         raise ValueError("in_flight and limits_bytes need one entry per stage")
-    windows_of = _Windows(chain, in_flight, limits_bytes, allow_recompute)
+    windows_of = _Windows(chain, in_flight, limits_bytes, allow_recompute, blocking)
     if not _feasible(windows_of.at(math.inf), n):
         return None
     num_evaluations = 0
@@ -217,12 +236,12 @@ def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
         windows = windows_of.at(bound_ms)
         x, history = _min_sum(chain, windows)
         bounds, flags = _backtrack(chain, windows, history)
-        return x, (*plan_objective(chain, bounds, flags, weight), bounds, flags)
+        return x, (*plan_objective(chain, bounds, flags, weight, blocking), bounds, flags)
 
     if weight <= 0:
         _, (obj, neck, bounds, flags) = evaluate(math.inf)
         return DPSolution(tuple(bounds), tuple(flags), obj, neck, num_evaluations)
-    candidates = _stage_times(chain, any(windows_of.use_rc))
+    candidates = _stage_times(chain, any(windows_of.use_rc), blocking)
     idx = _smallest_bottleneck(chain, windows_of, candidates, num_stages)
     _, best = evaluate(float(candidates[idx]))
     x_low = _cheapest_cuts(chain, num_stages)
@@ -247,12 +266,12 @@ def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
     return DPSolution(tuple(bounds), tuple(flags), obj, neck, num_evaluations)
 
 
-def _stage_times(chain: Chain, recompute: bool) -> np.ndarray:
-    """Sorted distinct stage times, cached on the chain (shared by every v)."""
-    key = ("stage_times", recompute)
+def _stage_times(chain: Chain, recompute: bool, blocking: bool) -> np.ndarray:
+    """Sorted distinct necks, cached on the chain (shared by every v)."""
+    key = ("stage_times", recompute, blocking)
     cached = chain.cache.get(key)
     if cached is None:
-        cached = chain.all_stage_times(recompute)
+        cached = chain.all_stage_times(recompute, blocking)
         chain.cache[key] = cached
     return cached
 
@@ -268,7 +287,7 @@ def min_fitting_limit(chain: Chain, *, in_flight: Sequence[int], num_virtual: in
 
     def fits(limit: int) -> bool:
         windows = _Windows(chain, in_flight, [limit / num_virtual] * num_stages,
-                           allow_recompute)
+                           allow_recompute, blocking=False)
         return _feasible(windows.at(math.inf), n)
 
     lo = 0

@@ -58,7 +58,8 @@ def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candi
     dp = solve_dp(setting.chain, num_stages=config.num_stages, in_flight=in_flight,
                   limits_bytes=[per_stage] * config.num_stages,
                   weight=v * v * (config.num_microbatches - 1),
-                  allow_recompute=_recompute_allowed(config, options))
+                  allow_recompute=_recompute_allowed(config, options),
+                  blocking=schedule_info(config.schedule).blocking_sends)
     if dp is None:
         return []
     ev = setting.evaluate(config, setting.unfuse(dp.bounds), dp.recompute)
