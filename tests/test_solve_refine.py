@@ -13,6 +13,7 @@ from solve_helpers import llama_like, make_block, make_profile
 from autopart.errors import PlanError
 from autopart.solve import make_plan
 from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, neighbours
+from autopart.solve.setting import ConfigJudge
 
 
 def test_fuse_blocks_merges_runs_without_cuts():
@@ -82,3 +83,28 @@ def test_neighbours_move_one_or_two_cuts_to_allowed_positions():
 def test_recompute_drops_come_first():
     moves = list(neighbours(((0, 1), (1, 3)), (True, False), [True] * 4))
     assert moves[0] == (((0, 1), (1, 3)), (False, False))
+
+
+def _count_simulations(monkeypatch, **plan_args) -> int:
+    """Simulations the local search spends in one ``make_plan`` (one configuration)."""
+    calls = []
+    original = ConfigJudge.evaluate
+
+    def counted(self, bounds, recompute):
+        calls.append(bounds)
+        return original(self, bounds, recompute)
+
+    monkeypatch.setattr(ConfigJudge, "evaluate", counted)
+    blocks = [make_block(f"b{i}", fwd_ms=1.0 + (i % 7) * 0.37, output_bytes=1 << 20)
+              for i in range(48)]
+    make_plan(make_profile(blocks), pp_size=6, num_microbatches=12, schedule="1f1b",
+              **plan_args)
+    return len(calls)
+
+
+def test_seeds_of_a_configuration_share_the_simulation_budget(monkeypatch):
+    """refine_evals bounds the local search per configuration, over all its seeds (four
+    here: the DP and the three baselines), not per seed."""
+    unbounded = _count_simulations(monkeypatch, refine_evals=10_000)
+    assert unbounded > 12  # the seeds' climbs together need more than the budget below
+    assert _count_simulations(monkeypatch, refine_evals=12) <= 12

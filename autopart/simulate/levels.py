@@ -42,9 +42,9 @@ class LevelPlan:
     num_stages: int
     duration_idx: np.ndarray
     """Per node, its row in the duration table ``(table * num_stages + stage)``."""
-    level_bounds: tuple[tuple[int, int, np.ndarray], ...]
-    """Per level: node range ``[lo, hi)`` and the first then the second predecessor of
-    each of its nodes, as one array (one gather per level)."""
+    level_bounds: tuple[tuple[slice, np.ndarray, np.ndarray], ...]
+    """Per level: its node range ``[lo, hi)`` as a slice, and the first and the second
+    predecessor of each of its nodes (a gather each: cheaper than slicing one)."""
     rank_nodes: np.ndarray
     """``(longest run, ranks)``: per rank its compute nodes in run order, then padding
     (the index one past the last node, whose duration is 0)."""
@@ -97,10 +97,12 @@ class LevelPlan:
         end = durations.copy()
         end[0] = 0.0
         take, maximum = end.take, np.maximum
-        for lo, hi, both in self.level_bounds:
-            ends = take(both, axis=0)
-            half = hi - lo
-            end[lo:hi] += maximum(ends[:half], ends[half:])
+        if width == 1:  # the loop runs once per level: keep its NumPy calls few
+            for nodes, first, second in self.level_bounds:
+                end[nodes] += maximum(take(first), take(second))
+        else:
+            for nodes, first, second in self.level_bounds:
+                end[nodes] += maximum(take(first, axis=0), take(second, axis=0))
         # Summed in each rank's run order, as the engine does (0.0 padding adds nothing).
         busy = np.add.accumulate(durations[self.rank_nodes], axis=0)[-1]
         step = end[self.last_nodes].max(axis=0)
@@ -124,7 +126,7 @@ def level_plan(schedule: str, pp_size: int, virtual_stages: int,
     sorted_depth = depth[order]
     cuts = np.flatnonzero(np.diff(sorted_depth)) + 1
     bounds = [0, *cuts.tolist(), len(order)]
-    levels = tuple((lo, hi, np.concatenate([p1[lo:hi], p2[lo:hi]]))
+    levels = tuple((slice(lo, hi), p1[lo:hi].copy(), p2[lo:hi].copy())
                    for lo, hi in zip(bounds[1:-1], bounds[2:]))
     compute = np.array(rank_of_node)[order]
     per_rank = [np.flatnonzero(compute == r) for r in range(pp_size)]

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["Judge", "allowed_cuts", "fuse_blocks", "legal", "neighbours", "refine"]
+__all__ = ["Judge", "allowed_cuts", "fuse_blocks", "legal", "neighbours", "refine",
+           "refine_counted"]
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -89,6 +90,12 @@ _BOUND_SLACK = 1e-9
 
 def refine(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int = 300,
            visited: set | None = None) -> Any:
+    """``refine_counted`` without the count: the end point of the climb."""
+    return refine_counted(judge, start, allowed, max_evals=max_evals, visited=visited)[0]
+
+
+def refine_counted(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int = 300,
+                   visited: set | None = None) -> tuple[Any, int]:
     """Hill-climb from ``start`` (an ``Evaluated``) by moving one or two cuts at a time.
 
     A move is kept when it fits and lowers the step (or keeps it and lowers peak
@@ -100,7 +107,7 @@ def refine(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int 
     re-simulated. Deterministic: ``max_evals`` counts simulations, never time.
     ``visited`` (shared by the searches of one configuration) holds the splits
     earlier searches passed through: from one of those the climb would repeat an
-    earlier one, so it stops there.
+    earlier one, so it stops there. Returns the end point and the simulations spent.
     """
     best, num_evals = start, 0
     visited = set() if visited is None else visited
@@ -123,7 +130,7 @@ def refine(judge: Judge, start: Any, allowed: Sequence[bool], *, max_evals: int 
                 break
             if num_evals >= max_evals:
                 break
-    return best
+    return best, num_evals
 
 
 def _key(item: Any) -> tuple[float, int]:
