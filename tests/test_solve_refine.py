@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from solve_helpers import llama_like, make_block, make_profile
 
 from autopart.errors import PlanError
-from autopart.solve import make_plan
+from autopart.solve import make_plan, search
 from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, neighbours
 from autopart.solve.setting import ConfigJudge
 
@@ -85,13 +85,16 @@ def test_recompute_drops_come_first():
     assert moves[0] == (((0, 1), (1, 3)), (False, False))
 
 
-def _count_simulations(monkeypatch, **plan_args) -> int:
-    """Simulations the local search spends in one ``make_plan`` (one configuration)."""
-    calls = []
+
+def _count_simulations(monkeypatch, **plan_args) -> tuple[int, int]:
+    """Simulations the local search spends in one ``make_plan`` (one configuration), and
+    the nodes of that configuration's step DAG."""
+    calls, nodes = [], set()
     original = ConfigJudge.evaluate
 
     def counted(self, bounds, recompute):
         calls.append(bounds)
+        nodes.add(self.num_nodes)
         return original(self, bounds, recompute)
 
     monkeypatch.setattr(ConfigJudge, "evaluate", counted)
@@ -99,12 +102,12 @@ def _count_simulations(monkeypatch, **plan_args) -> int:
               for i in range(48)]
     make_plan(make_profile(blocks), pp_size=6, num_microbatches=12, schedule="1f1b",
               **plan_args)
-    return len(calls)
+    return len(calls), nodes.pop()
 
 
-def test_seeds_of_a_configuration_share_the_simulation_budget(monkeypatch):
-    """refine_evals bounds the local search per configuration, over all its seeds (four
-    here: the DP and the three baselines), not per seed."""
-    unbounded = _count_simulations(monkeypatch, refine_evals=10_000)
-    assert unbounded > 12  # the seeds' climbs together need more than the budget below
-    assert _count_simulations(monkeypatch, refine_evals=12) <= 12
+def test_local_search_stops_at_its_node_budget(monkeypatch):
+    """The seeds' climbs together simulate at most ``_REFINE_NODE_BUDGET`` DAG nodes."""
+    unbounded, nodes = _count_simulations(monkeypatch)
+    assert unbounded > 12  # the four seeds' climbs need more than the budget below
+    monkeypatch.setattr(search, "_REFINE_NODE_BUDGET", 12 * nodes)
+    assert _count_simulations(monkeypatch)[0] == 12

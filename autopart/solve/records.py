@@ -31,8 +31,7 @@ class Options:
     """An optional wall-clock limit of one ILP solve (plans it cuts off depend on the
     machine's speed)."""
     refine_evals: int = 300
-    """Simulations the local search may spend per refined configuration, shared by its
-    seeds (0: no local search)."""
+    """Simulations the local search may spend per refined candidate (0: no local search)."""
     cuts: tuple[tuple[int, int], ...] | None = None
     """A split the user gave (``partition="cuts"``): evaluated as is under every config."""
 

@@ -45,6 +45,13 @@ _ILP_AUTO_MAX_NODES = 2_000
 with its gap in ``Plan.solver``; under ``auto`` such a split is dropped)."""
 _NUM_REFINED = 3
 """How many of the best (schedule, v, m) candidates the local search refines."""
+_REFINE_NODE_BUDGET = 100_000_000
+"""DAG nodes (``simulate.levels``) the local search may simulate in all, a bound on its
+work that binds only at scale (a heuristic, deterministic on every machine): a step of
+pp 8, m 32 has ~10^4 nodes, so 300 simulations of each of 12 seeds stay far below it;
+at pp 64, m 256, v 4 (3.3 * 10^5 nodes) it allows ~300 simulations, spent on the
+fastest seeds. There a climb from a seed 5-15% behind moves one cut by one block per
+simulation and spent its 300 without reaching the front, most of the plan's time."""
 
 
 def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = None,
@@ -83,8 +90,8 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         ilp_time_limit_s: An optional wall-clock limit per ILP as well (default none);
             a split it cuts off depends on the machine.
         cut_kinds: Cut only after blocks of these kinds (NxD: ``("decoder_layer",)``).
-        refine_evals: Simulations the local search may spend per refined (schedule, v,
-            m), shared by its seeds, best seed first (0 turns it off).
+        refine_evals: Simulations the local search may spend per refined candidate
+            (0 turns it off); at pp 64 a bound on its total work binds first.
         target: An export format (``nxd``, ``megatron``, ...): plan within that tool's
             rules (``autopart.targets``), its cut kinds unless ``cut_kinds`` is given,
             and its schedules.
@@ -245,11 +252,9 @@ def _refined(settings: dict[int, Setting], fitting: list[Candidate],
     """Local search from every distinct candidate of each of the best few configurations.
 
     Every seed is refined on its own (a hill-climb's end depends on its start), so a
-    better seed can only add a better end point, never take one away. The seeds of one
-    configuration share ``max_evals`` simulations, the fastest seed first: at pp 64 a
-    climb from a seed 5-15% behind moves one cut by one block per simulation and used
-    its whole budget without reaching the front (the seeds within 1% converged in
-    80-190), so a per-seed budget spent most of the plan's time on them.
+    better seed can only add a better end point, never take one away. Seeds run fastest
+    first, each with ``max_evals`` simulations, until the search has simulated
+    ``_REFINE_NODE_BUDGET`` DAG nodes in all (see there: it binds only at scale).
     """
     ranked = sorted(fitting, key=lambda c: _rank_key(c.evaluated))
     top: list[Config] = []
@@ -261,16 +266,18 @@ def _refined(settings: dict[int, Setting], fitting: list[Candidate],
     out = list(fitting)
     judges = {config: ConfigJudge(settings[config.num_microbatches], config) for config in top}
     visited: dict[Config, set] = {config: set() for config in top}
-    budget = dict.fromkeys(top, max_evals)
+    nodes_left = _REFINE_NODE_BUDGET
     for cand in ranked:
         config, ev = Config.of(cand.evaluated), cand.evaluated
-        if config not in top or budget[config] <= 0:
+        if config not in top:
             continue
         judge = judges[config]
-        better, spent = refine_counted(judge, ev, judge.setting.allowed,
-                                       max_evals=min(max_evals, budget[config]),
+        affordable = min(max_evals, nodes_left // judge.num_nodes)
+        if affordable <= 0:
+            break
+        better, spent = refine_counted(judge, ev, judge.setting.allowed, max_evals=affordable,
                                        visited=visited[config])
-        budget[config] -= spent
+        nodes_left -= spent * judge.num_nodes
         if better is not ev:
             gain = ev.result.step_ms / better.result.step_ms - 1
             out.append(Candidate(better, dataclasses.replace(

@@ -18,6 +18,7 @@ from autopart.simulate.engine import (
     duration_table,
     updated_duration_table,
 )
+from autopart.simulate.levels import level_plan
 from autopart.solve.assemble import Evaluated, evaluate_split
 from autopart.solve.baselines import baseline_split
 from autopart.solve.chain import Chain, build_chain
@@ -82,6 +83,13 @@ class ConfigJudge:
         """Simulate a split under the configuration (stage costs from the cache)."""
         costs = [self.cost(i, j, r) for (i, j), r in zip(bounds, recompute, strict=True)]
         return self.setting.evaluate(self.config, bounds, recompute, costs)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the configuration's step DAG: one simulation's work."""
+        config = self.config
+        return len(level_plan(config.schedule, config.pp_size, config.virtual_stages,
+                              config.num_microbatches).duration_idx)
 
     def critical(self, current: Evaluated) -> PathBound:
         """The bound from a simulated split's critical path (``simulate.critical_counts``)."""
