@@ -105,3 +105,18 @@ def test_plans_cut_inside_halves_and_keep_the_granularity(profiles):
     halves = make_plan(profiles["quarter"], pp_size=2, schedule="1f1b", num_microbatches=4,
                        granularity="sublayer")
     assert set(halves.pipeline_cuts) <= {b.name for b in profiles["sublayer"].blocks}
+
+
+@pytest.mark.slow
+def test_cpu_measured_parts_sum_to_the_halves():
+    """Measured on the CPU (saved-tensor hooks, deterministic): the parts' saved
+    activations and parameters add up to the halves', and the cut before a projection
+    sends its input and the residual (fp32, 16 tokens)."""
+    model = build_hf_model(tiny_config("llama"))
+    quarter, halves = (profile_model(model, backend="cpu", seq_len=16, num_warmup=0,
+                                     num_repeats=1, granularity=g)
+                       for g in ("quarter", "sublayer"))
+    assert [b.output_bytes for b in quarter.blocks[1:5]] == [4096, 2048, 6144, 2048]
+    for a, b in zip(fuse_quarters(quarter).blocks, halves.blocks):
+        assert (a.name, a.param_bytes, a.activation_bytes) == (
+            b.name, b.param_bytes, b.activation_bytes)
