@@ -14,7 +14,10 @@ the head is split by vocabulary (``+head`` rows: ``lm_head.shard<i>of<k>`` block
 Halves alone do not reach it everywhere: an attention half is about a quarter of
 a layer, so interior stages still round to whole layers; p2p transfers are
 simulated over the H100's links from profiles/devices.json, as ``autopart plan``
-does (the 'free links' column drops them, as the issue's figures did).
+does (the 'free links' column drops them, as the issue's figures did). 'slowest' is
+the plan's slowest stage (F+B) over the ideal ``sum(F+B) / p`` and 'best' the smallest
+slowest stage any split of the profiled blocks could have (exact, head whole): where
+they are equal, no plan over these blocks does better and only finer blocks can.
 
     python benchmarks/bench_finer_cuts.py
 
@@ -102,9 +105,25 @@ def _plan(profile: Profile, split: Split, free_links: bool):
                      grad_dtype="bfloat16", **links, **split.plan_options)
 
 
-def plan_rows(case: Case, split: Split) -> list[tuple[str, float, float, list[int] | None]]:
-    """``(split name, step / perfect, same with free links, blocks per stage)`` rows: the
-    anchors' rules (first split only), then autopart at ``split``."""
+def best_max_stage_ms(profile: Profile, num_stages: int = PP) -> float:
+    """The smallest slowest-stage F+B of any split of ``profile``'s blocks (head whole)
+    into ``num_stages`` contiguous stages: exact DP over (first block, stages left)."""
+    load = [b.fwd_ms + b.bwd_ms for b in profile.blocks]
+    prefix = [0.0]
+    for x in load:
+        prefix.append(prefix[-1] + x)
+    n = len(load)
+    best = [prefix[n] - prefix[i] for i in range(n + 1)]  # one stage from block i
+    for k in range(2, num_stages + 1):
+        best = [min((max(prefix[j] - prefix[i], best[j]) for j in range(i + 1, n - k + 2)),
+                    default=float("inf")) for i in range(n + 1)]
+    return best[0]
+
+
+def plan_rows(case: Case, split: Split) -> list[tuple]:
+    """``(split name, step / perfect, same with free links, blocks per stage, plan's slowest
+    stage / ideal, best slowest stage / ideal)`` rows: the anchors' rules (first split
+    only), then autopart at ``split``."""
     profile = profile_model(case.source(), backend="analytical:h100", seq_len=SEQ,
                             dtype="bfloat16", granularity=split.granularity)
     perfect = perfect_ms(profile)
@@ -112,24 +131,31 @@ def plan_rows(case: Case, split: Split) -> list[tuple[str, float, float, list[in
     rows = []
     if split is SPLITS[0]:
         rows = [(name, info.predicted_step_ms / perfect,
-                 free.baselines[name].predicted_step_ms / perfect, None)
+                 free.baselines[name].predicted_step_ms / perfect, None, None, None)
                 for name, info in sorted(plan.baselines.items())]
     sizes = [len(s.modules) for s in plan.stages]
+    ideal = perfect / (M + PP - 1)
+    slowest = max(s.fwd_ms + s.bwd_ms for s in plan.stages)
     return rows + [(f"autopart {split.name}", plan.predicted_step_ms / perfect,
-                    free.predicted_step_ms / perfect, sizes)]
+                    free.predicted_step_ms / perfect, sizes, slowest / ideal,
+                    best_max_stage_ms(profile) / ideal)]
 
 
 def main() -> None:
     """Profile, plan and print one line per (model, split)."""
     print(f"pp {PP}, 1F1B, m {M}, seq {SEQ}, bf16, analytical H100, {MEMORY_LIMIT >> 30} GiB; "
           f"step/perfect = simulated step / ((m + p - 1) * sum(F+B) / p); 'free links' "
-          f"simulates with no p2p cost")
-    print(f"{'model':<12} {'split':<22} {'step/perfect':>13} {'free links':>11}  blocks/stage")
+          f"simulates with no p2p cost; 'slowest' = the plan's slowest stage F+B / ideal "
+          f"(sum(F+B) / p), 'best' = the smallest slowest stage any split of the profiled "
+          f"blocks (head whole) can have / ideal")
+    print(f"{'model':<12} {'split':<22} {'step/perfect':>13} {'free links':>11} "
+          f"{'slowest':>8} {'best':>6}  blocks/stage")
     failures = []
     for case in CASES:
         for split in SPLITS:
-            for name, ratio, free, sizes in plan_rows(case, split):
-                print(f"{case.name:<12} {name:<22} {ratio:>13.3f} {free:>11.3f}  "
+            for name, ratio, free, sizes, slowest, best in plan_rows(case, split):
+                extra = f"{slowest:>8.3f} {best:>6.3f}" if slowest else f"{'':>8} {'':>6}"
+                print(f"{case.name:<12} {name:<22} {ratio:>13.3f} {free:>11.3f} {extra}  "
                       f"{sizes or ''}")
         if case.target is not None and ratio > case.target + 1e-9:
             failures.append(f"{case.name}: {ratio:.3f} > {case.target}")
