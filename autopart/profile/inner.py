@@ -52,17 +52,21 @@ def stream_bytes(stream: tuple[int, ...], args: tuple, kwargs: dict) -> int:
 
 
 def minus_figures(whole: Figures, part: Figures) -> Figures:
-    """``whole`` less ``part`` (times, saved activations and the gradients B keeps for W,
-    never below zero); spreads, transient workspace and output of ``whole``."""
+    """``whole`` less ``part`` (times, saved activations, the gradients B keeps for W and
+    the weight gradients in the workspace, never below zero); spreads and output of
+    ``whole``."""
     t, p = whole.times, part.times
     times = dataclasses.replace(
         t, fwd_ms=max(t.fwd_ms - p.fwd_ms, 0.0), bwd_ms=max(t.bwd_ms - p.bwd_ms, 0.0),
         bwd_input_ms=max(t.bwd_input_ms - p.bwd_input_ms, 0.0),
         bwd_weight_ms=max(t.bwd_weight_ms - p.bwd_weight_ms, 0.0))
     w, q = whole.memory, part.memory
+    adopted = max(w.adopted_grad_bytes - q.adopted_grad_bytes, 0)
     memory = dataclasses.replace(
         w, activation_bytes=max(w.activation_bytes - q.activation_bytes, 0),
-        held_for_weight_bytes=max(w.held_for_weight_bytes - q.held_for_weight_bytes, 0))
+        held_for_weight_bytes=max(w.held_for_weight_bytes - q.held_for_weight_bytes, 0),
+        adopted_grad_bytes=adopted,
+        transient_bytes=max(w.transient_bytes - q.adopted_grad_bytes, adopted))
     return dataclasses.replace(whole, times=times, memory=memory)
 
 
