@@ -8,6 +8,7 @@ a message naming the file, the key and the command that regenerates it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -202,13 +203,20 @@ def _from_json_text(cls: type, text: str, source: str, what: str, remedy_cmd: st
     return _build(cls, data, source, "", remedy_cmd)
 
 
+@functools.cache
+def _fields_of(cls: type) -> tuple[dict[str, Any], tuple[dataclasses.Field, ...]]:
+    """A dataclass's resolved type hints and fields (once per class: a profile has
+    thousands of blocks, and resolving the hints per block took most of its load)."""
+    return typing.get_type_hints(cls), dataclasses.fields(cls)
+
+
 def _build(cls: type, data: Any, source: str, where: str, remedy_cmd: str) -> Any:
     if not isinstance(data, dict):
         raise SchemaError(f"{source}: {where or 'top level'} should be an object, "
                           f"got {type(data).__name__}; regenerate it with `{remedy_cmd}`")
-    hints = typing.get_type_hints(cls)
+    hints, fields = _fields_of(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
+    for f in fields:
         key = f"{where}.{f.name}" if where else f.name
         if f.name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
