@@ -316,13 +316,17 @@ def _held_final_output(profile: Profile) -> int:
     """The last stage's output per microbatch: a causal LM's logits, else the block output.
 
     The profile's head block ends in the loss (4 bytes), but the pipeline's last stage
-    returns the logits and torch's schedule computes the loss from them.
+    returns the logits and torch's schedule computes the loss from them; a head split
+    into vocabulary shards returns the per-position losses instead (float32, one per
+    position but the last: ``autopart.runtime.head_shards.token_losses``).
     """
     last = profile.blocks[-1]
     vocab = profile.model.vocab_size
+    setup = profile.setup
+    if parse_shard(last.name) is not None:
+        return setup.micro_batch_size * max(setup.seq_len - 1, 1) * 4
     if last.kind != "head" or vocab <= 0:
         return last.output_bytes
-    setup = profile.setup
     return setup.micro_batch_size * setup.seq_len * vocab * DTYPE_BYTES.get(setup.dtype, 4)
 
 
@@ -433,9 +437,17 @@ def _stage_workspace(arrays: BlockArrays, work: np.ndarray, first: int, last: in
     activations and the blocks after it do not (not yet, or no longer), so its
     workspace coincides with only part of the stage's activations. The embedding's
     gradient (as large as its weight, accumulated per microbatch) thus hides under
-    the layers' activations that are not alive while it runs.
+    the layers' activations that are not alive while it runs. A stage's vocabulary
+    shards of the head run as one slice of its rows (``autopart.runtime.stages``), so
+    their workspaces add up, at the last shard.
     """
     work = work[first:last + 1]
+    shards = None if arrays.shard_blocks is None else arrays.shard_blocks[first:last + 1]
+    if shards is not None and shards.any():
+        where = np.flatnonzero(shards)
+        work = work.copy()
+        work[where[-1]] = work[where].sum()
+        work[where[:-1]] = 0
     held_after = (arrays.prefix_activation[last + 1]
                   - arrays.prefix_activation[first + 1:last + 2])
     return max(int((work - held_after).max()), 0)

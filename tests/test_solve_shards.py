@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 from solve_helpers import llama_like
 
+from autopart.cost import block_arrays, stage_cost
 from autopart.errors import PlanError
+from autopart.schema import TrainingSetup
 from autopart.solve import make_plan
 from autopart.solve.baselines import baseline_split
 from autopart.solve.shards import apply_granularity, cut_bounds, num_shards, split_head
@@ -138,6 +140,31 @@ def test_a_shard_holds_its_rows_fraction_of_the_head_workspace():
     assert [b.transient_bytes for b in shards] == [4111, 4111, 4123]  # no head.param_bytes
     assert sum(b.num_params for b in shards) == head.num_params
     assert sum(b.param_bytes for b in shards) == head.param_bytes
+
+
+def test_a_stage_runs_its_shards_as_one_slice_and_returns_token_losses():
+    """4 shards of a head with a 12,345-byte workspace (3,086 each): a stage of three runs
+    their rows as one slice, so its workspace is 3 * 3,086 = 9,258 bytes (not the largest
+    shard's 3,086); the last stage holds per-position losses until its backward (mbs 1 x
+    seq - 1 float32), not the logits the whole head returns."""
+    profile = _splittable(rows=1000)
+    profile = dataclasses.replace(
+        profile, model=dataclasses.replace(profile.model, vocab_size=1000),
+        blocks=(*profile.blocks[:-1], dataclasses.replace(profile.blocks[-1],
+                                                          transient_bytes=12_345)))
+    split = split_head(profile, 4)
+    setup = profile.setup
+    arrays = block_arrays(split, TrainingSetup(pp_size=2, num_microbatches=4))
+    n = len(split.blocks)
+    assert stage_cost(arrays, n - 3, n - 1).transient_bytes == 9_258
+    assert stage_cost(arrays, n - 1, n - 1).transient_bytes == 3_086
+    losses = setup.micro_batch_size * (setup.seq_len - 1) * 4
+    assert arrays.held_output_bytes[-1] == losses
+    assert stage_cost(arrays, n - 1, n - 1).activation_bytes == (
+        split.blocks[-1].activation_bytes + losses - split.blocks[-2].output_bytes)
+    whole = block_arrays(profile, TrainingSetup(pp_size=2, num_microbatches=4))
+    assert whole.held_output_bytes[-1] == (setup.micro_batch_size * setup.seq_len
+                                           * profile.model.vocab_size * 4)
 
 
 def test_auto_keeps_the_head_whole_when_the_gradient_zero_fill_costs_more():
