@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autopart.profile import profile_model
-from autopart.profile.measure import coinciding_workspace, memory_pass
+from autopart.profile.measure import coinciding_workspace, memory_pass, without_last
 from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
 from autopart.profile.tasks import BlockTask
 
@@ -122,9 +122,9 @@ def test_held_for_weight_is_each_linear_output_gradient():
 
 def test_adopted_gradients_are_the_weight_gradients_in_the_workspace():
     """Linear(200, 300) + the documented loss: its backward's peak holds the weight and
-    bias gradients (``.grad``) and a 4-byte scalar. Without them the peak is the
-    output's gradients (2 x 16 x 300 floats each; how many are alive at once depends on
-    when Python frees them), so the gradients' part is positive and at most their size."""
+    bias gradients (``.grad``) and a 4-byte scalar. Without them the peak is made of
+    the loss backward's output-sized gradients (2 x 16 x 300 floats each), so the
+    gradients' part is positive and at most their size."""
     model = nn.Sequential(nn.Linear(12, 200), nn.Linear(200, 300))
     profile = profile_model(model, micro_batch_size=2, **FAST)
     last = profile.blocks[-1]
@@ -132,6 +132,15 @@ def test_adopted_gradients_are_the_weight_gradients_in_the_workspace():
     assert last.transient_bytes == grads + 4
     assert 0 < last.adopted_grad_bytes <= grads
     assert last.transient_bytes - last.adopted_grad_bytes >= 2 * 16 * 300 * 4
+
+
+def test_a_reused_address_leaves_out_only_the_latest_tensor():
+    """A 1000-byte temporary freed at address 5, whose address the 10-byte input gradient
+    took later: only the gradient leaves the log, so the temporary still peaks."""
+    live = LiveTensors()
+    live.events = [(5, 1000), (5, -1000), (6, 30), (5, 10)]
+    assert coinciding_workspace(without_last(live, {5}), {}, None, set()) == 1000
+    assert coinciding_workspace(live, {}, None, {5}) == 30  # the old exclusion by key
 
 
 def test_measured_activations_match_the_shape_computation():

@@ -33,7 +33,7 @@ from autopart.profile.backends import Backend
 from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
 from autopart.profile.tasks import BlockTask
 
-__all__ = ["NOISE_SPREAD", "MemoryFigures", "TimeFigures", "agree", "incoming_grad",
+__all__ = ["NOISE_SPREAD", "MemoryFigures", "TimeFigures", "agree", "incoming_grad", "without_last",
            "measure_times", "measure_times_clean", "memory_pass"]
 
 NOISE_SPREAD = 0.2
@@ -176,10 +176,13 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     output_bytes = tensor_bytes(out)
     adopted = 0
     if peak is None:
-        transient = coinciding_workspace(live, saved.storages, in_key, {out_key, grad_key})
+        # The output and the input gradient are counted elsewhere: leave out their own
+        # allocations only, as a freed temporary may have had the same address.
+        log = without_last(live, {out_key, grad_key})
+        transient = coinciding_workspace(log, saved.storages, in_key, set())
         weight_grads = {storage_key(p.grad) for p in task.trainable() if p.grad is not None}
-        adopted = transient - coinciding_workspace(_without_last(live, weight_grads),
-                                                   saved.storages, in_key, {out_key, grad_key})
+        adopted = transient - coinciding_workspace(without_last(log, weight_grads),
+                                                   saved.storages, in_key, set())
     else:
         new_saved = sum(b for k, b in saved.storages.items() if k not in (in_key, out_key))
         grad_bytes = tensor_bytes(task.inputs.grad) if task.inputs.grad is not None else 0
@@ -190,10 +193,17 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
                          held_for_weight_bytes=held_for_weight_bytes(task))
 
 
-def _without_last(live: LiveTensors, keys: set[int | None]) -> LiveTensors:
-    """A copy of the log without the latest allocation (and its free) of each key: the
-    tensors now held under those keys (keys are addresses; earlier storages at the same
-    address are other tensors and stay)."""
+def without_last(live: LiveTensors, keys: set[int | None]) -> LiveTensors:
+    """A copy of ``live``'s log without the latest allocation (and its free) of each key.
+
+    Args:
+        live: The log of one forward + backward.
+        keys: Storage keys of tensors alive at the end that are counted elsewhere.
+
+    Returns:
+        A log for ``coinciding_workspace``. Keys are addresses: an earlier storage freed
+        at an address such a tensor took later is another tensor and stays in the log.
+    """
     last = {key: i for i, (key, delta) in enumerate(live.events) if key in keys and delta > 0}
     copy = LiveTensors()
     copy.events = [(key, delta) for i, (key, delta) in enumerate(live.events)
