@@ -131,26 +131,43 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
     for rank, row in enumerate(compiled_plan(schedule, pp_size, virtual_stages,
                                              num_microbatches)):
         stages = tuple(stages_of_rank(rank, pp_size, virtual_stages, info.style))
-        num = len(stages)
-        column = {s: c for c, s in enumerate(stages)}
-        held = [0] * (2 * num)
-        moments = set()
-        grads = 2 if info.split_backward else 1
-        seen = set()
-        for entry in row:
-            kind, col = entry[0], column[entry[1]]
-            if kind == 0:
-                held[col] += 1
-            pays = kind == grads and col in seen
-            if kind == grads:
-                seen.add(col)
-            moments.add((*held, col, int(pays)))
-            if kind == 1:
-                held[col] -= 1
-                if info.split_backward:
-                    held[num + col] += 1
-            elif kind == 2:
-                held[num + col] -= 1
-        table = np.array(sorted(moments), dtype=np.int64)
+        table = _moments(row, stages, info.split_backward)
         out.append((stages, table[:, :-2], table[:, -2], table[:, -1].astype(bool)))
     return tuple(out)
+
+
+def _moments(row: tuple[tuple, ...], stages: tuple[int, ...], split_backward: bool
+             ) -> np.ndarray:
+    """One rank's distinct ``(held per column..., running column, pays)`` rows, sorted.
+
+    A moment is taken after the action's ``F`` took its microbatch and before its
+    backward let one go: held = the changes of the actions before it, plus its own
+    ``F``. ``B`` releases its column (and, split, holds the microbatch in the B-to-W
+    column), ``W`` releases the B-to-W column. Array arithmetic over the rank's actions
+    (a loop over them cost as much as building the whole order).
+    """
+    num = len(stages)
+    column = np.zeros(max(stages) + 1, dtype=np.int64)
+    column[list(stages)] = np.arange(num)
+    kind_stage = np.array([entry[:2] for entry in row], dtype=np.int64).reshape(-1, 2)
+    kind, col = kind_stage[:, 0], column[kind_stage[:, 1]]
+    rows = np.arange(len(row))
+    before = np.zeros((len(row), 2 * num), dtype=np.int64)
+    after = np.zeros_like(before)
+    forward, backward, weight = kind == 0, kind == 1, kind == 2
+    before[rows[forward], col[forward]] = 1
+    after[rows[backward], col[backward]] = -1
+    if split_backward:
+        after[rows[backward], num + col[backward]] = 1
+        after[rows[weight], num + col[weight]] = -1
+    held = np.cumsum(before, axis=0) + np.cumsum(after, axis=0) - after
+    # Pays its weight gradients as workspace: a gradient backward after its stage's first.
+    grads = np.flatnonzero(kind == (2 if split_backward else 1))
+    pays = np.zeros(len(row), dtype=np.int64)
+    pays[grads] = 1
+    pays[grads[np.unique(col[grads], return_index=True)[1]]] = 0
+    table = np.column_stack([held, col, pays])
+    table = table[np.lexsort(table.T[::-1])]  # rows in tuple order (a void-type sort is slow)
+    distinct = np.ones(len(table), dtype=bool)
+    distinct[1:] = (table[1:] != table[:-1]).any(axis=1)
+    return table[distinct]

@@ -191,14 +191,20 @@ def _depths(pred1: list[int], pred2: list[int]) -> np.ndarray:
     succ, offsets = dst[order], np.zeros(num + 1, dtype=np.int64)
     np.cumsum(np.bincount(src, minlength=num), out=offsets[1:])
     depth = np.full(num, -1, dtype=np.int64)
+    stamp = np.empty(num, dtype=np.int64)
     depth[0], frontier, level = 0, np.zeros(1, dtype=np.int64), 0
     while len(frontier):
         level += 1
         starts, counts = offsets[frontier], offsets[frontier + 1] - offsets[frontier]
         runs = np.repeat(starts - np.cumsum(counts) + counts, counts)
-        cand = np.unique(succ[runs + np.arange(len(runs))])
-        ready = (depth[first[cand]] >= 0) & (depth[second[cand]] >= 0) & (depth[cand] < 0)
-        frontier = cand[ready]
+        cand = succ[runs + np.arange(len(runs))]
+        ready = cand[(depth[first[cand]] >= 0) & (depth[second[cand]] >= 0)
+                     & (depth[cand] < 0)]
+        # A node both of whose predecessors were in the frontier is listed twice: keep
+        # the occurrence whose position the stamp kept (one of them, whichever).
+        position = np.arange(len(ready))
+        stamp[ready] = position
+        frontier = ready[stamp[ready] == position]
         depth[frontier] = level
     waiting = int(np.count_nonzero(depth < 0))
     assert not waiting, f"schedule deadlocked: {waiting} actions wait"

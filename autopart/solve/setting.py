@@ -47,10 +47,18 @@ class Setting:
     fused_blocks: tuple[BlockProfile, ...]
     """The blocks of ``chain``: runs with no allowed cut inside merged into one."""
 
+    baselines: dict = field(default_factory=dict, compare=False, repr=False)
+    """Cache: ``(name, num_stages)`` -> ``baseline``'s split (configurations with the same
+    number of stages share it)."""
+
     def baseline(self, name: str, num_stages: int) -> tuple[tuple[int, int], ...]:
         """The public tool's split, made over the fused blocks so that its cuts are
-        allowed ones (NxD's even split with cuts after decoder layers only)."""
-        return self.unfuse(baseline_split(name, self.fused_blocks, num_stages))
+        allowed ones (NxD's even split with cuts after decoder layers only). Cached."""
+        key = (name, num_stages)
+        if key not in self.baselines:
+            self.baselines[key] = self.unfuse(baseline_split(name, self.fused_blocks,
+                                                             num_stages))
+        return self.baselines[key]
 
     def unfuse(self, bounds: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
         """Fused-chain bounds -> bounds over the original blocks."""
