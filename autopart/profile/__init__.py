@@ -19,7 +19,11 @@ analytical:D  estimated: roofline per op with the spec     computed on meta
 ============  ==========================================  ===============================
 
 W is always ``bwd_ms - bwd_input_ms`` (see ``autopart.profile.measure``); attention
-on meta is counted as flash attention (see ``autopart.profile.analytical``).
+on meta is counted as flash attention (see ``autopart.profile.analytical``). Two
+memory figures for the schedule's timeline: ``held_for_weight_bytes`` (what torch's
+split B keeps for W, on every backend, on meta where no storage is real) and
+``adopted_grad_bytes`` (the weight gradients in the workspace; cpu and meta, 0 on
+cuda).
 """
 
 from typing import Any
