@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from autopart.schedules import schedule_info, stage_to_rank, stages_of_rank
+from autopart.simulate._compiled_arrays import compiled_arrays
 from autopart.simulate.orders import action_groups
 
 __all__ = ["ACT", "BDONE", "GRAD", "KINDS", "compile_action", "compiled_plan", "held_counts"]
@@ -128,16 +129,16 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
     """
     info = schedule_info(schedule)
     out = []
-    for rank, row in enumerate(compiled_plan(schedule, pp_size, virtual_stages,
-                                             num_microbatches)):
+    for rank, rows in enumerate(compiled_arrays(schedule, pp_size, virtual_stages,
+                                                num_microbatches)):
         stages = tuple(stages_of_rank(rank, pp_size, virtual_stages, info.style))
-        table = _moments(row, stages, info.split_backward)
+        table = _moments(rows[:, 0], rows[:, 1], stages, info.split_backward)
         out.append((stages, table[:, :-2], table[:, -2], table[:, -1].astype(bool)))
     return tuple(out)
 
 
-def _moments(row: tuple[tuple, ...], stages: tuple[int, ...], split_backward: bool
-             ) -> np.ndarray:
+def _moments(kind: np.ndarray, stage: np.ndarray, stages: tuple[int, ...],
+             split_backward: bool) -> np.ndarray:
     """One rank's distinct ``(held per column..., running column, pays)`` rows, sorted.
 
     A moment is taken after the action's ``F`` took its microbatch and before its
@@ -149,10 +150,9 @@ def _moments(row: tuple[tuple, ...], stages: tuple[int, ...], split_backward: bo
     num = len(stages)
     column = np.zeros(max(stages) + 1, dtype=np.int64)
     column[list(stages)] = np.arange(num)
-    kind_stage = np.array([entry[:2] for entry in row], dtype=np.int64).reshape(-1, 2)
-    kind, col = kind_stage[:, 0], column[kind_stage[:, 1]]
-    rows = np.arange(len(row))
-    before = np.zeros((len(row), 2 * num), dtype=np.int64)
+    col = column[stage]
+    rows = np.arange(len(kind))
+    before = np.zeros((len(kind), 2 * num), dtype=np.int64)
     after = np.zeros_like(before)
     forward, backward, weight = kind == 0, kind == 1, kind == 2
     before[rows[forward], col[forward]] = 1
@@ -163,7 +163,7 @@ def _moments(row: tuple[tuple, ...], stages: tuple[int, ...], split_backward: bo
     held = np.cumsum(before, axis=0) + np.cumsum(after, axis=0) - after
     # Pays its weight gradients as workspace: a gradient backward after its stage's first.
     grads = np.flatnonzero(kind == (2 if split_backward else 1))
-    pays = np.zeros(len(row), dtype=np.int64)
+    pays = np.zeros(len(kind), dtype=np.int64)
     pays[grads] = 1
     pays[grads[np.unique(col[grads], return_index=True)[1]]] = 0
     table = np.column_stack([held, col, pays])

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopart.simulate.compiled import compiled_plan
+from autopart.simulate._compiled_arrays import compiled_arrays
 
 __all__ = ["LevelPlan", "level_plan"]
 
@@ -114,8 +114,8 @@ class LevelPlan:
 @lru_cache(maxsize=16)
 def level_plan(schedule: str, pp_size: int, virtual_stages: int,
                num_microbatches: int) -> LevelPlan:
-    """The cached ``LevelPlan`` of a configuration (from ``compiled_plan``)."""
-    plan = compiled_plan(schedule, pp_size, virtual_stages, num_microbatches)
+    """The cached ``LevelPlan`` of a configuration (from ``compiled_arrays``)."""
+    plan = compiled_arrays(schedule, pp_size, virtual_stages, num_microbatches)
     num_stages = pp_size * virtual_stages
     dur, pred1, pred2, rank_of_node = _nodes(plan, num_stages)
     depth = _depths(pred1, pred2)
@@ -138,42 +138,66 @@ def level_plan(schedule: str, pp_size: int, virtual_stages: int,
                      np.array([nodes[-1] for nodes in per_rank]), (p1, p2))
 
 
-def _nodes(plan, num_stages: int) -> tuple[list[int], ...]:
+def _nodes(plan: tuple[np.ndarray, ...], num_stages: int) -> tuple[np.ndarray, ...]:
     """Per node: duration row, both predecessors, and its rank (-1 for sends, the source).
 
-    Compute nodes of a rank keep their run order among the node ids (``rank_nodes``
-    relies on it)."""
-    producer: dict[int, int] = {}
-    dur, pred1, code_dep, rank_of = [0], [0], [-1], [-1]
-    link_last: dict[tuple[int, int], int] = {}
-    for rank, row in enumerate(plan):
-        prev, pending = 0, []
-        for kind, s, _mb, deps, local, send, table, dst, flush in row:
-            node = len(dur)
-            dur.append(kind * num_stages + s)
-            pred1.append(prev)
-            code_dep.append(deps[0] if deps else -1)
-            rank_of.append(rank)
-            prev = node
-            for code in local:
-                producer[code] = node
-            if send >= 0:
-                pending.append((send, table, s, dst))
-            if flush:
-                for code, tbl, stage, target in pending:
-                    sent = len(dur)
-                    dur.append((3 + tbl) * num_stages + stage)
-                    pred1.append(node)
-                    code_dep.append(-2 - link_last.get((rank, target), 0))
-                    rank_of.append(-1)
-                    link_last[(rank, target)] = sent
-                    producer[code] = sent
-                    if flush == 2:  # the rank's next action waits for this send
-                        prev = sent
-                pending = []
-    # Second predecessors: a code's producer (-1: none -> the source), or -2 - link pred.
-    pred2 = [0 if c == -1 else (-2 - c if c <= -2 else producer[c]) for c in code_dep]
+    ``plan`` is ``compiled_arrays``'. Node 0 is the source; then rank by rank, each
+    compute action followed by the sends its group flushes, in issue order. Compute
+    nodes of a rank keep their run order among the node ids (``rank_nodes`` relies on
+    it). Second predecessors: the producer of the action's dependency (the source when
+    none), and for a send the previous send on its directed link.
+    """
+    parts, base = [], 1
+    for rank, rows in enumerate(plan):
+        parts.append(_rank_nodes(rows, rank, base, num_stages))
+        base += len(parts[-1][0])
+    dur, pred1, dep, rank_of, codes, owners = (
+        np.concatenate([[start], *(part[k] for part in parts)]).astype(np.int64)
+        for k, start in enumerate((0, 0, -1, -1, -1, 0)))
+    producer = np.zeros(max(int(codes.max()), int(dep.max())) + 2, dtype=np.int64)
+    producer[codes[1:]] = owners[1:]
+    # dep >= 0: a code (its producer), -1: none (the source), <= -2: -2 - the link's
+    # previous send (the source when there was none).
+    pred2 = np.where(dep >= 0, producer[np.maximum(dep, 0)], np.where(dep == -1, 0, -2 - dep))
     return dur, pred1, pred2, rank_of
+
+
+def _rank_nodes(rows: np.ndarray, rank: int, base: int, num_stages: int
+                ) -> tuple[np.ndarray, ...]:
+    """One rank's nodes numbered from ``base``: duration rows, first predecessors,
+    dependencies (see ``_nodes``), ranks, and the codes they produce with their nodes."""
+    kind, stage, dep = rows[:, 0], rows[:, 1], rows[:, 3]
+    send, table, dst, flush = rows[:, 6], rows[:, 7], rows[:, 8], rows[:, 9]
+    # The sends pending since the previous flush leave at a flushing action, in order.
+    sends_so_far = np.cumsum(send >= 0)
+    flushing = np.flatnonzero(flush > 0)
+    emitted = np.zeros(len(rows), dtype=np.int64)
+    emitted[flushing] = np.diff(sends_so_far[flushing], prepend=0)
+    count = emitted[flushing]
+    compute_id = base + np.arange(len(rows)) + np.cumsum(emitted) - emitted
+    senders = np.flatnonzero(send >= 0)[:int(count.sum())]
+    flusher = np.repeat(flushing, count)
+    send_id = (compute_id[flusher] + 1 + np.arange(len(senders))
+               - np.repeat(np.cumsum(count) - count, count))
+    # A rank's next node follows its previous one, or that one's sends when it waited.
+    prev = np.concatenate([[0], compute_id[:-1]])
+    waited = np.flatnonzero((flush[:-1] == 2) & (emitted[:-1] > 0))
+    prev[waited + 1] = compute_id[waited] + emitted[waited]
+    link_prev = np.zeros(len(senders), dtype=np.int64)
+    order = np.argsort(dst[senders], kind="stable")
+    same = np.flatnonzero(dst[senders][order][1:] == dst[senders][order][:-1])
+    link_prev[order[same + 1]] = send_id[order[same]]
+    num = len(rows) + len(senders)
+    out = np.empty((4, num), dtype=np.int64)
+    at_compute, at_send = compute_id - base, send_id - base
+    out[:, at_compute] = kind * num_stages + stage, prev, dep, np.full(len(rows), rank)
+    out[:, at_send] = ((3 + table[senders]) * num_stages + stage[senders],
+                       compute_id[flusher], -2 - link_prev, np.full(len(senders), -1))
+    local = rows[:, 4:6].T.ravel()
+    made = local >= 0
+    codes = np.concatenate([local[made], send[senders]])
+    owners = np.concatenate([np.tile(compute_id, 2)[made], send_id])
+    return (*out, codes, owners)
 
 
 def _depths(pred1: list[int], pred2: list[int]) -> np.ndarray:
