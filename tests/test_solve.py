@@ -236,3 +236,20 @@ def test_the_reported_smallest_limit_plans(schedule, virtual):
     need = int(str(info.value).split("smallest limit that fits is ")[1].split(" bytes")[0])
     plan = make_plan(profile, memory_limit_bytes=need, **kwargs)
     assert all(r.peak_memory_bytes <= need for r in plan.ranks)
+
+
+def test_the_reported_smallest_limit_plans_with_b_to_w_gradients():
+    """Under ZBV the layers hold 4 GiB of gradients each from B to W: the limit the
+    error names counts them, so planning at it succeeds."""
+    import dataclasses
+
+    profile = llama_like(8, act_bytes=GIB, head_act_bytes=GIB // 4)
+    blocks = tuple(dataclasses.replace(b, held_for_weight_bytes=4 * GIB)
+                   if b.kind == "decoder_layer" else b for b in profile.blocks)
+    profile = dataclasses.replace(profile, blocks=blocks)
+    kwargs = {"pp_size": 2, "num_microbatches": 4, "schedule": "zbv", "virtual_stages": 2}
+    with pytest.raises(InfeasibleError) as info:
+        make_plan(profile, memory_limit_bytes=100 * MIB, **kwargs)
+    need = int(str(info.value).split("smallest limit that fits is ")[1].split(" bytes")[0])
+    plan = make_plan(profile, memory_limit_bytes=need, **kwargs)
+    assert all(r.peak_memory_bytes <= need for r in plan.ranks)

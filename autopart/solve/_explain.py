@@ -94,7 +94,8 @@ def infeasible(settings: Mapping[int, Setting], configs: Sequence[Config],
         value = min_fitting_limit(settings[config.num_microbatches].chain,
                                   in_flight=in_flight, num_virtual=config.virtual_stages,
                                   allow_recompute=recompute_allowed(config.schedule,
-                                                                   options.allow_recompute))
+                                                                   options.allow_recompute),
+                                  split=schedule_info(config.schedule).split_backward)
         if need is None or value < need:
             need, where = value, config.label.replace(" ", ", ")
     limit_text = "no limit" if limit is None else f"{limit} bytes ({_size(limit)})"

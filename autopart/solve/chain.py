@@ -2,7 +2,8 @@
 
 A stage is the half-open block range ``[i, j)`` (blocks ``i .. j - 1``); positions
 run ``0 .. n``. ``r`` is 1 when the stage recomputes its forward (activation
-checkpointing), else 0. Every solver (DP, ILP, brute force in the tests) uses the
+checkpointing), else 0; ``memory`` also takes ``r = 2``, a stage of a zero-bubble
+schedule (no recompute, ``act_2`` below). Every solver (DP, ILP, brute force in the tests) uses the
 definitions below, so their answers are comparable:
 
     time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of checkpointed blocks + comm(j)
@@ -25,18 +26,21 @@ own cost there.
                          + (m + k) * out[j - 1]
 
 ``k`` is the stage's in-flight microbatch count (``autopart.simulate.max_in_flight``),
-``m`` the number of microbatches, ``out`` the bytes crossing a cut (the head's
-output zeroed). ``act_0`` sums the blocks' ``activation_bytes``; ``act_1`` what
-recomputation keeps (``BlockArrays.prefix_kept``); both add the logits the last
-stage holds. ``transient_0`` is the largest block workspace and ``transient_1`` adds
-the largest checkpointed block's activations (rebuilt during backward), as in
-``autopart.cost.stage_cost``. The last two terms bound torch's receive buffers
-(``m`` activation buffers of the input, ``m`` gradient buffers of the output) and the
-output each in-flight microbatch holds until its backward; the input side takes
-the largest tensor entering, crossing or leaving the stage, which keeps feasibility
-closed under shrinking a stage (the exact DP relies on it). So the closed form is
-the simulator's stage memory or more: it also counts the first stage's absent input
-buffers and the input that the first block saves, which the receive buffer holds.
+``m`` the number of microbatches, ``out`` the bytes crossing a cut (the head's output
+zeroed). ``act_0`` sums the blocks' ``activation_bytes``; ``act_1`` what recomputation
+keeps (``BlockArrays.prefix_kept``); ``act_2`` (zero-bubble schedules, which never
+recompute) adds to ``act_0`` every block's ``held_for_weight_bytes``, the gradients a
+microbatch holds from its B to its W (more than the simulator's: the first stage holds
+none, the last drops its logits at B); all add the logits the last stage holds.
+``transient_0`` is the largest block workspace and ``transient_1`` adds the largest
+checkpointed block's activations (rebuilt during backward), as in
+``autopart.cost.stage_cost``. The last two terms bound torch's receive buffers (``m``
+activation buffers of the input, ``m`` gradient buffers of the output) and the output
+each in-flight microbatch holds until its backward; the input side takes the largest
+tensor entering, crossing or leaving the stage, which keeps feasibility closed under
+shrinking a stage (the exact DP relies on it). So the closed form is the simulator's
+stage memory or more: it also counts the first stage's absent input buffers and the
+input that the first block saves, which the receive buffer holds.
 
 For a fixed end ``j`` both time and memory are non-increasing in ``i`` (fewer blocks,
 same boundary), so the feasible starts form a window ``[lo(j), j - 1]``.
@@ -101,7 +105,7 @@ class Chain:
     comm_at: np.ndarray
     """``comm(j)`` for j in 0..n."""
     static_prefix: np.ndarray
-    act_prefix: tuple[np.ndarray, np.ndarray]
+    act_prefix: tuple[np.ndarray, np.ndarray, np.ndarray]
     transient_table: tuple[np.ndarray, np.ndarray]
     """Range-max tables of transient_0 parts: (block workspace, block activation)."""
     out_table: np.ndarray
@@ -148,7 +152,7 @@ class Chain:
         act = self.act_prefix[r][j] - self.act_prefix[r][i]
         work, act_max = self.transient_table
         transient = range_query(work, np.maximum, i, j)
-        if r:
+        if r == 1:
             transient = transient + range_query(act_max, np.maximum, i, j)
         m = self.num_microbatches
         buffers = m * range_query(self.out_table, np.maximum, np.maximum(i - 1, 0), j)
@@ -243,6 +247,8 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
     logits = np.zeros(n + 1, dtype=np.int64)
     logits[-1] = arrays.held_output_bytes[-1]
     rebuilt = np.where(arrays.checkpointed, arrays.activation_bytes, 0)
+    held_for_weight = (np.zeros(n + 1, dtype=np.int64) if arrays.prefix_held_for_weight is None
+                       else arrays.prefix_held_for_weight.astype(np.int64))
     return Chain(
         num_blocks=n,
         time_prefix=(q0, q1),
@@ -250,7 +256,8 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
         comm_at=comm,
         static_prefix=arrays.prefix_static.astype(np.int64),
         act_prefix=(arrays.prefix_activation.astype(np.int64) + logits,
-                    arrays.prefix_kept.astype(np.int64) + logits),
+                    arrays.prefix_kept.astype(np.int64) + logits,
+                    arrays.prefix_activation.astype(np.int64) + logits + held_for_weight),
         transient_table=(range_table(arrays.transient_bytes.astype(np.float64), np.maximum),
                          range_table(rebuilt.astype(np.float64), np.maximum)),
         out_table=range_table(cut_out, np.maximum),

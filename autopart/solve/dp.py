@@ -86,14 +86,17 @@ class _Windows:
     """Per-stage feasible-start windows for one bottleneck bound."""
 
     def __init__(self, chain: Chain, in_flight: Sequence[int],
-                 limits: Sequence[float | None], recompute: bool, blocking: bool) -> None:
+                 limits: Sequence[float | None], recompute: bool, blocking: bool,
+                 split: bool = False) -> None:
         self.chain, self.blocking = chain, blocking
+        plain = 2 if split else 0  # zero-bubble stages hold the B-to-W gradients too
         for limit in set(limits):
             ks = [k for k, lim in zip(in_flight, limits) if lim == limit]
-            chain.prepare_lo_memory(0, ks, limit)
+            chain.prepare_lo_memory(plain, ks, limit)
             if recompute:
                 chain.prepare_lo_memory(1, ks, limit)
-        self.mem = [(chain.lo_memory(0, k, lim), chain.lo_memory(1, k, lim) if recompute else None)
+        self.mem = [(chain.lo_memory(plain, k, lim),
+                     chain.lo_memory(1, k, lim) if recompute else None)
                     for k, lim in zip(in_flight, limits)]
         # Recompute helps a stage only where it admits earlier starts than no recompute.
         self.use_rc = [rc is not None and bool((rc < m0).any()) for m0, rc in self.mem]
@@ -202,7 +205,8 @@ def _cheapest_cuts(chain: Chain, num_stages: int) -> float:
 
 def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
              limits_bytes: Sequence[float | None], weight: float,
-             allow_recompute: bool = True, blocking: bool = False) -> DPSolution | None:
+             allow_recompute: bool = True, blocking: bool = False,
+             split: bool = False) -> DPSolution | None:
     """Split ``chain`` into contiguous stages minimizing objective (1) exactly.
 
     Args:
@@ -214,6 +218,8 @@ def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
         allow_recompute: Let a stage recompute its forward to fit its limit.
         blocking: The schedule waits on its sends (``ScheduleInfo.blocking_sends``):
             each stage's steady-state round includes its cuts' transfers.
+        split: The schedule runs B and W apart (zero-bubble): a stage's memory counts
+            the gradients its microbatches hold from B to W (``chain``'s ``act_2``).
 
     Returns:
         The optimal split with its recompute flags, objective and bottleneck, or
@@ -228,7 +234,7 @@ def solve_dp(chain: Chain, *, num_stages: int, in_flight: Sequence[int],
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{n} (the number of blocks)")
     if len(in_flight) != num_stages or len(limits_bytes) != num_stages:
         raise ValueError("in_flight and limits_bytes need one entry per stage")
-    windows_of = _Windows(chain, in_flight, limits_bytes, allow_recompute, blocking)
+    windows_of = _Windows(chain, in_flight, limits_bytes, allow_recompute, blocking, split)
     if not _feasible(windows_of.at(math.inf), n):
         return None
     num_evaluations = 0
@@ -280,21 +286,23 @@ def _stage_times(chain: Chain, recompute: bool, blocking: bool) -> np.ndarray:
 
 
 def min_fitting_limit(chain: Chain, *, in_flight: Sequence[int], num_virtual: int = 1,
-                      allow_recompute: bool = True, resolution_bytes: int = 1 << 20) -> int:
+                      allow_recompute: bool = True, resolution_bytes: int = 1 << 20,
+                      split: bool = False) -> int:
     """Smallest device memory (within ``resolution_bytes``) for which a split fits.
 
     Uses the DP's model: each of the ``len(in_flight)`` stages gets ``limit /
-    num_virtual``. The returned limit is feasible (rounded up to the resolution).
+    num_virtual`` (``split``: a zero-bubble schedule, as in ``solve_dp``). The
+    returned limit is feasible (rounded up to the resolution).
     """
     n, num_stages = chain.num_blocks, len(in_flight)
 
     def fits(limit: int) -> bool:
         windows = _Windows(chain, in_flight, [limit / num_virtual] * num_stages,
-                           allow_recompute, blocking=False)
+                           allow_recompute, blocking=False, split=split)
         return _feasible(windows.at(math.inf), n)
 
     lo = 0
-    hi = num_virtual * chain.stage_memory(0, n, 0, max(in_flight))  # any sub-stage fits
+    hi = num_virtual * chain.stage_memory(0, n, 2 if split else 0, max(in_flight))  # all fit
     hi = -(-hi // resolution_bytes) * resolution_bytes
     while hi - lo > resolution_bytes:
         mid = (lo + hi) // 2 // resolution_bytes * resolution_bytes

@@ -59,7 +59,8 @@ def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candi
                   limits_bytes=[per_stage] * config.num_stages,
                   weight=v * v * (config.num_microbatches - 1),
                   allow_recompute=_recompute_allowed(config, options),
-                  blocking=schedule_info(config.schedule).blocking_sends)
+                  blocking=schedule_info(config.schedule).blocking_sends,
+                  split=schedule_info(config.schedule).split_backward)
     if dp is None:
         return []
     ev = setting.evaluate(config, setting.unfuse(dp.bounds), dp.recompute)
