@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from autopart.schedules import schedule_info, stage_to_rank
-from autopart.simulate.orders import action_groups
+from autopart.simulate.orders import action_arrays
 
 __all__ = ["COLUMNS", "compiled_arrays"]
 
@@ -24,7 +24,6 @@ COLUMNS = ("kind", "stage", "mb", "dep", "local1", "local2", "send", "table", "d
 code (-1: none), up to two local output codes (-1: none), the send code (-1: none), its
 table (``ACT`` 0, ``GRAD`` 1), its destination rank (-1), flush (0, 1, or 2: the rank
 waits for its sends)."""
-_KIND = {"F": 0, "B": 1, "W": 2}
 
 
 @lru_cache(maxsize=16)
@@ -37,20 +36,19 @@ def compiled_arrays(schedule: str, pp_size: int, virtual_stages: int,
     rank_of = np.array([stage_to_rank(s, pp_size, virtual_stages, info.style)
                         for s in range(num_stages)], dtype=np.int64)
     out = []
-    for rank, groups in enumerate(action_groups(schedule, pp_size, virtual_stages,
-                                                num_microbatches)):
-        rows = _rank_rows(groups, rank, rank_of, num_microbatches)
+    for rank, actions in enumerate(action_arrays(schedule, pp_size, virtual_stages,
+                                                 num_microbatches)):
+        rows = _rank_rows(actions, rank, rank_of, num_microbatches)
         if info.blocking_sends:
             _mark_blocking_sends(rows, min(num_microbatches, pp_size - rank))
         out.append(rows)
     return tuple(out)
 
 
-def _rank_rows(groups, rank: int, rank_of: np.ndarray, m: int) -> np.ndarray:
-    """``compile_action`` and ``_merge_group`` of one rank, as array arithmetic."""
-    flat = [(_KIND[k], s, mb, pos == len(grp) - 1)
-            for grp in groups for pos, (k, s, mb) in enumerate(grp)]
-    kind, stage, mb, last = np.array(flat, dtype=np.int64).reshape(-1, 4).T
+def _rank_rows(actions: np.ndarray, rank: int, rank_of: np.ndarray, m: int) -> np.ndarray:
+    """``compile_action`` and ``_merge_group`` of one rank (``action_arrays`` rows), as
+    array arithmetic."""
+    kind, stage, mb, last = actions.T
     num_stages = len(rank_of)
     n, idx = num_stages * m, stage * m + mb
     fwd, bwd = kind == 0, kind == 1

@@ -17,11 +17,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from autopart.errors import PlanError
 from autopart.schedules import check_schedule, schedule_info
 from autopart.simulate._torch_orders import Group, torch_groups
 
-__all__ = ["Action", "action_groups", "max_in_flight", "paused_gc", "rank_orders"]
+__all__ = ["Action", "action_arrays", "action_groups", "max_in_flight", "paused_gc",
+           "rank_orders"]
+
+_KIND = {"F": 0, "B": 1, "W": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,23 +66,31 @@ def max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
 @lru_cache(maxsize=1024)
 def _max_in_flight(schedule: str, pp_size: int, virtual_stages: int,
                    num_microbatches: int) -> tuple[int, ...]:
-    release = "W" if schedule_info(schedule).split_backward else "B"
+    release = 2 if schedule_info(schedule).split_backward else 1
     num_stages = pp_size * virtual_stages
-    held = [0] * num_stages
-    peak = [0] * num_stages
-    for row in action_groups(schedule, pp_size, virtual_stages, num_microbatches):
-        for grp in row:
-            for kind, stage, _ in grp:
-                if kind == "F":
-                    held[stage] += 1
-                    peak[stage] = max(peak[stage], held[stage])
-                elif kind == release:
-                    held[stage] -= 1
-    assert not any(held), f"unreleased activations {held} in {schedule}"
-    return tuple(peak)
+    kind, stage = np.concatenate(action_arrays(schedule, pp_size, virtual_stages,
+                                               num_microbatches))[:, :2].T
+    # Per stage, in each rank's run order (a stage runs on one rank): +1 at F, -1 at
+    # the releasing backward; the peak of the running sum.
+    order = np.argsort(stage, kind="stable")
+    delta = np.where(kind == 0, 1, np.where(kind == release, -1, 0))[order]
+    starts = np.searchsorted(stage[order], np.arange(num_stages))
+    running = np.cumsum(delta)
+    before = np.concatenate([[0], running])[starts]
+    held = running - np.repeat(before, np.diff(np.append(starts, len(order))))
+    ends = np.append(starts[1:], len(order)) - 1
+    assert not held[ends].any(), f"unreleased activations {held[ends]} in {schedule}"
+    return tuple(np.maximum.reduceat(held, starts).tolist())
 
 
-@lru_cache(maxsize=16)
+def action_arrays(schedule: str, pp_size: int, virtual_stages: int,
+                  num_microbatches: int) -> tuple[np.ndarray, ...]:
+    """Per rank, ``action_groups``' actions in run order as rows ``(kind, stage_idx,
+    microbatch_idx, last)``: kind 0 ``F``, 1 ``B``, 2 ``W``; ``last`` 1 on a group's
+    last action. Validated and cached with the groups."""
+    return _orders(schedule, pp_size, virtual_stages, num_microbatches)[1]
+
+
 def action_groups(schedule: str, pp_size: int, virtual_stages: int,
                   num_microbatches: int) -> tuple[tuple[Group, ...], ...]:
     """Per rank, the compute groups in run order; validated and cached.
@@ -87,6 +100,13 @@ def action_groups(schedule: str, pp_size: int, virtual_stages: int,
     schedules, DualPipeV's overlapped ``F B W``). Raises ``PlanError`` when torch's
     class for ``schedule`` rejects the settings.
     """
+    return _orders(schedule, pp_size, virtual_stages, num_microbatches)[0]
+
+
+@lru_cache(maxsize=16)
+def _orders(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
+            ) -> tuple[tuple[tuple[Group, ...], ...], tuple[np.ndarray, ...]]:
+    """``action_groups`` and ``action_arrays``, built and checked once."""
     if pp_size < 1 or virtual_stages < 1 or num_microbatches < 1:
         raise PlanError(f"pp_size ({pp_size}), virtual_stages ({virtual_stages}) and "
                         f"num_microbatches ({num_microbatches}) must all be >= 1")
@@ -100,9 +120,19 @@ def action_groups(schedule: str, pp_size: int, virtual_stages: int,
         else:
             rows = torch_groups(info.torch_class, pp_size, virtual_stages, num_microbatches,
                                 info.split_backward)
-        _check_coverage(rows, schedule, pp_size * virtual_stages, num_microbatches,
+        flat = tuple(_flat(row) for row in rows)
+        _check_coverage(flat, schedule, pp_size * virtual_stages, num_microbatches,
                         info.split_backward)
-        return tuple(tuple(row) for row in rows)
+        return tuple(tuple(row) for row in rows), flat
+
+
+def _flat(row: list[Group]) -> np.ndarray:
+    """One rank's groups as ``action_arrays`` rows."""
+    out = np.zeros((sum(map(len, row)), 4), dtype=np.int64)
+    if len(out):
+        out[:, :3] = [(_KIND[k], s, mb) for grp in row for k, s, mb in grp]
+        out[np.cumsum(np.fromiter(map(len, row), dtype=np.int64)) - 1, 3] = 1
+    return out
 
 
 @contextmanager
@@ -143,15 +173,14 @@ def _one_f_one_b(rank: int, pp_size: int, num_microbatches: int) -> list[Group]:
     return order
 
 
-def _check_coverage(rows: list[list[Group]], schedule: str, num_stages: int,
+def _check_coverage(flat: tuple[np.ndarray, ...], schedule: str, num_stages: int,
                     num_microbatches: int, split_backward: bool) -> None:
     """Every (stage, microbatch) appears exactly once per kind (an internal invariant)."""
-    kinds = "FBW" if split_backward else "FB"
-    counts = [0] * (len(kinds) * num_stages * num_microbatches)
-    for row in rows:
-        for grp in row:
-            for kind, stage, mb in grp:
-                counts[(kinds.index(kind) * num_stages + stage) * num_microbatches + mb] += 1
-    wrong = [divmod(i, num_microbatches) for i, c in enumerate(counts) if c != 1]
-    assert not wrong, (f"{schedule} order does not run every action once; "
-                       f"(kind * num_stages + stage, mb) wrong: {wrong[:5]}")
+    kind, stage, mb = np.concatenate(flat)[:, :3].T
+    num_kinds = 3 if split_backward else 2
+    codes = (kind * num_stages + stage) * num_microbatches + mb
+    counts = np.bincount(codes, minlength=num_kinds * num_stages * num_microbatches)
+    wrong = [divmod(int(i), num_microbatches) for i in np.flatnonzero(counts != 1)]
+    assert not wrong and kind.max(initial=0) < num_kinds, (
+        f"{schedule} order does not run every action once; "
+        f"(kind * num_stages + stage, mb) wrong: {wrong[:5]}")
