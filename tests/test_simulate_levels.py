@@ -17,6 +17,8 @@ from autopart.errors import PlanError
 from autopart.schedules import SCHEDULES, check_schedule
 from autopart.schema import TrainingSetup
 from autopart.simulate import simulate
+from autopart.simulate._compiled_arrays import compiled_arrays
+from autopart.simulate.compiled import compiled_plan
 from autopart.simulate.engine import simulate_batch
 
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
@@ -98,3 +100,31 @@ def test_batch_checks_every_item() -> None:
                        num_microbatches=2, setup=setup)
     assert simulate_batch([], schedule="1f1b", pp_size=2, virtual_stages=1,
                           num_microbatches=2, setup=setup) == []
+
+
+def _rows_of(plan) -> list[list[tuple]]:
+    """``compiled_plan``'s tuples in ``compiled_arrays``' columns (deps, outputs padded)."""
+    out = []
+    for row in plan:
+        rows = []
+        for kind, s, mb, deps, local, send, table, dst, flush in row:
+            local = (*local, -1, -1)[:2]
+            rows.append((kind, s, mb, deps[0] if deps else -1, *local, send, table, dst,
+                         int(flush)))
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_compiled_arrays_equal_the_engine_tuples(name):
+    """The arrays the level simulator and the memory moments read hold, action by action,
+    the fields of the event engine's compiled order (1F1B's waited-on sends included)."""
+    info = SCHEDULES[name]
+    for pp, v, m in ((1, 2, 3), (2, 2, 4), (3, 3, 5), (4, 2, 8)):
+        v = info.fixed_virtual_stages or v
+        try:
+            check_schedule(name, pp, v, m)
+        except PlanError:
+            continue
+        got = [rows.tolist() for rows in compiled_arrays(name, pp, v, m)]
+        assert got == [[list(r) for r in rows] for rows in _rows_of(compiled_plan(name, pp, v, m))]
