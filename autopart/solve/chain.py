@@ -8,19 +8,17 @@ definitions below, so their answers are comparable:
 
     time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of checkpointed blocks + comm(j)
     comm(j)            = autopart.cost.comm_ms(output_bytes[j - 1])  for 0 < j < n, else 0
-    neck(i, j, r, b)   = time(i, j, r) - comm(j)
-                         + b * (comm(j) + [i > 0] * max(comm(k) for i <= k < j))
+    neck(i, j, r, b)   = time(i, j, r) - comm(j) + b * (comm(j) + [i > 0] * comm_max)
 
 ``time`` counts one direction per cut (the ILP's stage time). The DP's objective
 (``autopart.solve.dp``) counts what the simulator does: both directions of every cut
 (the activation forward, the gradient backward) on the fill/drain path, and in a
 stage's steady-state round, ``neck``, the transfers only where the rank waits on them
 (``b = 1``: 1F1B's batched send/recv; other schedules send asynchronously). A round
-of 1F1B waits on the stage's output cut and on its input cut, bounded by the
-costliest cut position from its input to its last block, so that ``neck`` shrinks
-as the start moves right (the DP's windows need it); every cut of an LLM's chain
-between whole layers carries the same hidden state, so the bound is the input cut's
-own cost there.
+of 1F1B waits on the stage's output cut and on its input cut, bounded by
+``comm_max``, the costliest cut, so that ``neck`` shrinks as the start moves right
+(the DP's windows need it); every cut of an LLM's chain carries the same hidden
+state, so the bound is that cut's own cost there.
     memory(i, j, r, k) = static(i..j-1) + k * act_r(i..j-1) + transient_r(i..j-1)
                          + m * max(out[b] for b in [max(i - 1, 0), j - 1])
                          + (m + k) * out[j - 1]
@@ -115,20 +113,16 @@ class Chain:
     num_microbatches: int
     cache: dict = field(default_factory=dict)
 
+    @property
+    def comm_max(self) -> float:
+        """The costliest cut's one-way transfer (0 without cuts)."""
+        return float(self.comm_at[1:-1].max()) if self.num_blocks > 1 else 0.0
+
     def neck_time(self, i: int, j: int, r: int, blocking: bool) -> float:
         """``neck(i, j, r, blocking)`` as defined in the module docstring."""
         q = self.time_prefix[r]
-        comm = 0.0
-        if blocking:
-            comm = self.comm_at[j] + (float(self.comm_at[i:j].max()) if i > 0 else 0.0)
+        comm = self.comm_at[j] + (self.comm_max if i > 0 else 0.0) if blocking else 0.0
         return float(q[j] - q[i] + comm)
-
-    def _input_comm(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """``max(comm(k) for i <= k < j)`` for pairs ``i < j`` (the input cut's bound)."""
-        table = self.cache.get("comm_table")
-        if table is None:
-            table = self.cache["comm_table"] = range_table(self.comm_at, np.maximum)
-        return range_query(table, np.maximum, i, j)
 
     @property
     def total_time_ms(self) -> float:
@@ -197,23 +191,12 @@ class Chain:
         for the first stage (``first``: i = 0, no input cut) or any other (i > 0)."""
         q = self.time_prefix[r]
         bound = bound_ms + _REL_TOL * max(1.0, abs(bound_ms))
-        ends = np.arange(self.num_blocks + 1)
-        if not blocking:
-            return np.minimum(np.searchsorted(q, q - bound, side="left"), ends)
-        if first:
+        if blocking:
+            bound -= 0.0 if first else self.comm_max
             lo = np.searchsorted(q, q + self.comm_at - bound, side="left")
-            return np.minimum(lo, ends)
-        lo, hi = np.zeros_like(ends), ends.copy()  # neck is non-increasing in i: bisect
-        for _ in range(int(self.num_blocks + 1).bit_length()):
-            active = np.flatnonzero(lo < hi)
-            if not len(active):
-                break
-            mid, end = (lo[active] + hi[active]) // 2, ends[active]
-            neck = q[end] - q[mid] + self.comm_at[end] + self._input_comm(mid, end)
-            fits = neck <= bound
-            hi[active] = np.where(fits, mid, hi[active])
-            lo[active] = np.where(fits, lo[active], mid + 1)
-        return lo
+        else:
+            lo = np.searchsorted(q, q - bound, side="left")
+        return np.minimum(lo, np.arange(self.num_blocks + 1))
 
     def all_stage_times(self, recompute: bool, blocking: bool = False) -> np.ndarray:
         """Every distinct ``neck`` (both r when ``recompute``), sorted."""
@@ -223,8 +206,7 @@ class Chain:
         for q in self.time_prefix[:1 + int(recompute)]:
             work = q[ends] - q[starts]
             if blocking:
-                work = work + self.comm_at[ends] + np.where(
-                    starts > 0, self._input_comm(starts, ends), 0.0)
+                work = work + self.comm_at[ends] + np.where(starts > 0, self.comm_max, 0.0)
             values.append(work)
         times = np.unique(np.concatenate(values))
         # Merge values that differ only by rounding (the bounds honour _REL_TOL anyway).

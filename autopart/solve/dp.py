@@ -12,12 +12,9 @@ of every stage once, each cut crossed twice (activations forward, gradients back
 then ``m - 1`` rounds of the slowest stage, whose round includes the transfers the
 rank waits on (``blocking``: 1F1B's batched send/recv; GPipe's sends overlap). It is
 what the simulator (``autopart.simulate``) computes on uniform chains under GPipe, and
-under 1F1B with pp = 2 (``tests/test_solve_comm.py``). Under 1F1B with more stages
-it is an upper bound (a middle stage's last round overlaps one transfer: one cut's
-``comm`` too much on uniform chains), as it is where a stage's input cut is cheaper
-than a cut position inside it (``neck`` bounds the input cut by those). It is below
-the simulator where a transfer outlasts the compute it should overlap (GPipe's sends
-queue on their link). Every plan is simulated before it is reported.
+under 1F1B with pp = 2; under 1F1B with more stages it is an upper bound (a middle
+stage's last round overlaps one transfer: one cut's ``comm`` too much on uniform
+chains), as it is wherever a cut's transfer outlasts the compute it overlaps.
 
 Algorithm. Write ``sum_s work_s + 2 * sum comm = C + X`` where ``C`` (all blocks'
 F+B+W) is fixed and ``X`` (cut communication + recomputed forwards) depends on the
