@@ -193,7 +193,9 @@ class SolverInfo:
     status: str
     """``model_optimal`` (the DP or ILP proved the split optimal for its closed-form
     model of the step; the simulator, which judges, may still find a faster split:
-    see ``refined``), ``heuristic`` (a baseline partition was asked for), ``baseline``
+    see ``refined``), ``layer_optimal`` (the same, over cuts between layer halves or
+    whole layers only: a seed for a profile cut inside layers), ``heuristic`` (a
+    baseline partition was asked for), ``baseline``
     (a baseline split won the search), or ``limit`` (the ILP's best split when its node
     or time limit stopped it). Plans written before say ``optimal`` / ``time_limit``."""
     gap: float | None = 0.0

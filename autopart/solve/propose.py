@@ -49,23 +49,34 @@ def _recompute_allowed(config: Config, options: Options) -> bool:
 
 
 def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candidate]:
-    """The DP's split (exact for its closed form: one stage per rank's slowest stage)."""
+    """The DP's split (exact for its closed form: one stage per rank's slowest stage),
+    then its splits at the coarser cuts of ``setting.coarser`` (``layer_optimal``): the
+    closed form prices transfers as a bound, so on a chain of parts whose cuts carry
+    large tensors its finest split can simulate slower than the coarser one it contains."""
     in_flight = max_in_flight(config.schedule, config.pp_size, config.virtual_stages,
                               config.num_microbatches)
     limit = setting.setup.memory_limit_bytes
     per_stage = None if limit is None else limit / config.virtual_stages
     v = config.virtual_stages
-    dp = solve_dp(setting.chain, num_stages=config.num_stages, in_flight=in_flight,
-                  limits_bytes=[per_stage] * config.num_stages,
-                  weight=v * v * (config.num_microbatches - 1),
-                  allow_recompute=_recompute_allowed(config, options),
-                  blocking=schedule_info(config.schedule).blocking_sends,
-                  split=schedule_info(config.schedule).split_backward)
-    if dp is None:
-        return []
-    ev = setting.evaluate(config, setting.unfuse(dp.bounds), dp.recompute)
-    return [Candidate(ev, SolverInfo(name="dp", status="model_optimal", gap=0.0,
-                                     objective_ms=dp.objective_ms))]
+    out = []
+    levels = [(setting.chain, setting.starts, "model_optimal"),
+              *((chain, starts, "layer_optimal") for chain, starts in setting.coarser)]
+    for chain, starts, status in levels:
+        if chain.num_blocks < config.num_stages:
+            continue
+        dp = solve_dp(chain, num_stages=config.num_stages, in_flight=in_flight,
+                      limits_bytes=[per_stage] * config.num_stages,
+                      weight=v * v * (config.num_microbatches - 1),
+                      allow_recompute=_recompute_allowed(config, options),
+                      blocking=schedule_info(config.schedule).blocking_sends,
+                      split=schedule_info(config.schedule).split_backward)
+        if dp is None:
+            continue
+        bounds = tuple((starts[i], starts[j]) for i, j in dp.bounds)
+        ev = setting.evaluate(config, bounds, dp.recompute)
+        out.append(Candidate(ev, SolverInfo(name="dp", status=status, gap=0.0,
+                                            objective_ms=dp.objective_ms)))
+    return out
 
 
 def propose_ilp(setting: Setting, config: Config, options: Options) -> list[Candidate]:

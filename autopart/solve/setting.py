@@ -46,6 +46,11 @@ class Setting:
     """``allowed[j]``: a stage may end after block ``j - 1``."""
     fused_blocks: tuple[BlockProfile, ...]
     """The blocks of ``chain``: runs with no allowed cut inside merged into one."""
+    coarser: tuple[tuple[Chain, tuple[int, ...]], ...] = ()
+    """For a profile cut inside layers: the solvers' chain with cuts between layer halves
+    only (a ``quarter`` profile) and between whole layers only, each with the original
+    position of its blocks (plus ``n``). Their DP splits seed the search, so that a finer
+    profile never plans slower than the coarser split it contains would."""
 
     baselines: dict = field(default_factory=dict, compare=False, repr=False)
     """Cache: ``(name, num_stages)`` -> ``baseline``'s split (configurations with the same
@@ -186,8 +191,29 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
                             f"fewer than pp_size ({pp_size}); lower --pp")
         out[m] = Setting(scaled, setup, block_arrays(scaled, setup),
                          build_chain(block_arrays(fused, setup), setup), tuple(starts),
-                         tuple(allowed), fused.blocks)
+                         tuple(allowed), fused.blocks,
+                         coarser=_coarser_chains(scaled, allowed, setup, pp_size))
     return out
+
+
+def _coarser_chains(profile: Profile, allowed: Sequence[bool], setup: TrainingSetup,
+                    pp_size: int) -> tuple[tuple[Chain, tuple[int, ...]], ...]:
+    """``Setting.coarser``: chains with cuts at half and at layer boundaries only."""
+    blocks = profile.blocks
+    if not any(b.layer for b in blocks):
+        return ()
+    levels: list[list[bool]] = []
+    for key in (lambda b: (b.layer, b.kind), lambda b: b.layer):
+        level = [ok and (j in (0, len(blocks)) or not blocks[j - 1].layer
+                         or key(blocks[j - 1]) != key(blocks[j]))
+                 for j, ok in enumerate(allowed)]
+        if level != list(allowed) and level not in levels and sum(level) - 1 >= pp_size:
+            levels.append(level)
+    out = []
+    for level in levels:
+        fused, starts = fuse_blocks(profile, level)
+        out.append((build_chain(block_arrays(fused, setup), setup), tuple(starts)))
+    return tuple(out)
 
 
 def _with_machine_check(profile: Profile, setup_fields: dict[str, Any]) -> dict[str, Any]:
