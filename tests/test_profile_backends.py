@@ -51,3 +51,25 @@ def test_xla_needs_a_warmup_run(fake_xla):
 
     with pytest.raises(ProfileError, match="num_warmup >= 1"):
         profile_model("tiny-llama", backend="xla", seq_len=16, num_warmup=0)
+
+
+def test_cpu_times_every_call_after_writing_over_twice_the_last_level_cache():
+    from autopart.profile.backends import CPUBackend, last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
+    assert llc >= 1 << 20
+    backend = CPUBackend()
+    assert backend.flush_bytes == 2 * llc
+    assert backend._flush.numel() * 4 == backend.flush_bytes
+    before = float(backend._flush[-1])
+    ms, out = backend.time(lambda: 7)
+    assert out == 7 and ms >= 0
+    assert float(backend._flush[-1]) == before + 1  # the whole buffer was written
+    assert "caches flushed" in backend.time_source
+
+
+def test_last_level_cache_falls_back_where_sysfs_says_nothing(monkeypatch):
+    from autopart.profile import backends
+
+    monkeypatch.setattr(backends.glob, "glob", lambda pattern: [])
+    assert backends.last_level_cache_bytes() == 32 << 20
