@@ -106,3 +106,38 @@ def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
         else:
             diffs[name] = (p.grad.float() - ref.float()).abs().max().item()
     return diffs
+
+
+def exact_step(config: Any, plan: Plan, reference: Any, aliases: dict[str, str],
+               recompute: bool) -> dict:
+    """One training step of ``plan`` on this rank against the unpipelined ``reference``
+    (``families.Reference``): the loss (``None`` off the loss stage), the
+    largest gradient difference and its parameter, and the state dict's keys."""
+    from autopart.intake.sources import build_hf_model
+    from autopart.runtime import auto_pipeline
+
+    pipe = auto_pipeline(build_hf_model(config), plan=plan, device="cpu",
+                         activation_checkpointing=True if recompute else None)
+    pipe.load_state_dict(reference.state)
+    loss = pipe.step(reference.input_ids, target=reference.labels,
+                     attention_mask=reference.mask)
+    diffs = max_grad_diffs(pipe.named_parameters(), reference.grads, aliases)
+    return {"loss": None if loss is None else loss.item(),
+            "max_grad_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get),
+            "keys": sorted(pipe.state_dict())}
+
+
+def check_exact(results: list[dict], plans: dict, tol: float) -> None:
+    """Every plan of ``plans`` (``exact_step`` results per rank, plus ``ref_loss`` and
+    ``ref_keys``): one loss equal to the reference's, every gradient within ``tol``,
+    the state dicts' keys the model's own (at most one, a tied copy, missing)."""
+    ref_keys = set(results[0]["ref_keys"])
+    for schedule in plans:
+        losses = [r[schedule]["loss"] for r in results if r[schedule]["loss"] is not None]
+        assert len(losses) == 1, (schedule, results)
+        assert abs(losses[0] - results[0]["ref_loss"]) < tol, (schedule, losses)
+        for r in results:
+            assert r[schedule]["max_grad_diff"] < tol, (schedule, r[schedule]["worst"],
+                                                        r[schedule]["max_grad_diff"])
+        keys = {k for r in results for k in r[schedule]["keys"]}
+        assert keys <= ref_keys and len(ref_keys - keys) <= 1, (schedule, ref_keys - keys)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 from families import reference_run, tiny_config
-from runtime_helpers import make_stage_plan, max_grad_diffs, run_ranks
+from runtime_helpers import check_exact, exact_step, make_stage_plan, run_ranks
 
 from autopart.intake import discover_blocks
 from autopart.intake.sources import build_hf_model
-from autopart.runtime import auto_pipeline
 from autopart.runtime.builder import tied_parameters
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -44,57 +43,36 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict, recompute:
             num_blocks: int) -> dict:
     tie = model_type in TIED
     config = tiny_config(model_type, tie_word_embeddings=tie)
-    state, input_ids, mask, labels, ref_loss, ref_grads = reference_run(config)
+    reference = reference_run(config)
     chain = discover_blocks(build_hf_model(config), granularity="quarter")
     assert chain.granularity == "quarter" and len(chain.blocks) == num_blocks, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
-    results = {"ref_loss": ref_loss, "ref_keys": sorted(state)}
+    results = {"ref_loss": reference.loss, "ref_keys": sorted(reference.state)}
     for schedule, counts in plans.items():
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
                                num_microbatches=4)
-        pipe = auto_pipeline(build_hf_model(config), plan=plan, device="cpu",
-                             activation_checkpointing=True if recompute else None)
-        pipe.load_state_dict(state)
-        loss = pipe.step(input_ids, target=labels, attention_mask=mask)
-        diffs = max_grad_diffs(pipe.named_parameters(), ref_grads, aliases)
-        results[schedule] = {"loss": None if loss is None else loss.item(),
-                             "max_grad_diff": max(diffs.values()),
-                             "worst": max(diffs, key=diffs.get),
-                             "keys": sorted(pipe.state_dict())}
+        results[schedule] = exact_step(config, plan, reference, aliases, recompute)
     return results
-
-
-def _check(results: list[dict], plans: dict) -> None:
-    ref_keys = set(results[0]["ref_keys"])
-    for schedule in plans:
-        losses = [r[schedule]["loss"] for r in results if r[schedule]["loss"] is not None]
-        assert len(losses) == 1, (schedule, results)
-        assert abs(losses[0] - results[0]["ref_loss"]) < TOL, (schedule, losses)
-        for r in results:
-            assert r[schedule]["max_grad_diff"] < TOL, (schedule, r[schedule]["worst"],
-                                                         r[schedule]["max_grad_diff"])
-        keys = {k for r in results for k in r[schedule]["keys"]}
-        assert keys <= ref_keys and len(ref_keys - keys) <= 1, (schedule, ref_keys - keys)
 
 
 @pytest.mark.timeout(400)
 def test_every_schedule_with_cuts_before_output_projections_llama(tmp_path):
     """gpipe, 1F1B, interleaved, looped BFS, zero-bubble, ZBV, DualPipeV against the whole model."""
-    _check(run_ranks(_worker, 2, tmp_path, "llama", EVERY_SCHEDULE, False, 19),
-           EVERY_SCHEDULE)
+    check_exact(run_ranks(_worker, 2, tmp_path, "llama", EVERY_SCHEDULE, False, 19),
+           EVERY_SCHEDULE, TOL)
 
 
 @pytest.mark.timeout(240)
 def test_recomputed_quarters_train_exactly(tmp_path):
     """Checkpointed stages (a stage ending inside a half checkpoints it up to the cut)."""
-    _check(run_ranks(_worker, 2, tmp_path, "llama", TWO, True, 19), TWO)
+    check_exact(run_ranks(_worker, 2, tmp_path, "llama", TWO, True, 19), TWO, TOL)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gpt2"])
 def test_family_with_cuts_before_output_projections(tmp_path, model_type):
     """1F1B and Interleaved 1F1B (tied heads, post-norms, Conv1D projections included)."""
-    _check(run_ranks(_worker, 2, tmp_path, model_type, TWO, False, 19), TWO)
+    check_exact(run_ranks(_worker, 2, tmp_path, model_type, TWO, False, 19), TWO, TOL)
 
 
 @pytest.mark.timeout(240)
@@ -102,4 +80,4 @@ def test_moe_keeps_its_mlp_half_whole(tmp_path):
     """Mixtral: the router's token indices cross before the experts, so only the attention
     half splits (15 blocks: embedding, 4 x (attention, o_proj, MoE half), norm, head)."""
     plans = {"1f1b": [2, 13], "interleaved-1f1b": [2, 3, 3, 7]}
-    _check(run_ranks(_worker, 2, tmp_path, "mixtral", plans, False, 15), plans)
+    check_exact(run_ranks(_worker, 2, tmp_path, "mixtral", plans, False, 15), plans, TOL)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 from families import reference_run, tiny_config
-from runtime_helpers import make_stage_plan, max_grad_diffs, run_ranks
+from runtime_helpers import check_exact, exact_step, make_stage_plan, run_ranks
 
 from autopart.intake import discover_blocks
 from autopart.intake.head_split import shard_names
 from autopart.intake.sources import build_hf_model
-from autopart.runtime import auto_pipeline
 from autopart.runtime.builder import tied_parameters
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -45,62 +44,42 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict,
             recompute: bool) -> dict:
     tie = model_type in TIED
     config = tiny_config(model_type, tie_word_embeddings=tie)
-    state, input_ids, mask, labels, ref_loss, ref_grads = reference_run(config)
+    reference = reference_run(config)
     chain = discover_blocks(build_hf_model(config), granularity="sublayer")
     assert chain.granularity == "sublayer" and len(chain.blocks) == 11, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
-    results = {"ref_loss": ref_loss, "ref_keys": sorted(state)}
+    results = {"ref_loss": reference.loss, "ref_keys": sorted(reference.state)}
     for key, counts in plans.items():
         schedule, _, shards = key.partition(":")
         names = chain.names[:-1] + (shard_names(chain.names[-1], int(shards)) if shards
                                     else chain.names[-1:])
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
                                num_microbatches=4, names=names)
-        pipe = auto_pipeline(build_hf_model(config), plan=plan, device="cpu",
-                             activation_checkpointing=True if recompute else None)
-        pipe.load_state_dict(state)
-        loss = pipe.step(input_ids, target=labels, attention_mask=mask)
-        diffs = max_grad_diffs(pipe.named_parameters(), ref_grads, aliases)
-        results[key] = {"loss": None if loss is None else loss.item(),
-                             "max_grad_diff": max(diffs.values()),
-                             "worst": max(diffs, key=diffs.get),
-                             "keys": sorted(pipe.state_dict())}
+        results[key] = exact_step(config, plan, reference, aliases, recompute)
     return results
-
-
-def _check(results: list[dict], plans: dict) -> None:
-    ref_keys = set(results[0]["ref_keys"])
-    for schedule in plans:
-        losses = [r[schedule]["loss"] for r in results if r[schedule]["loss"] is not None]
-        assert len(losses) == 1, (schedule, results)
-        assert abs(losses[0] - results[0]["ref_loss"]) < TOL, (schedule, losses)
-        for r in results:
-            assert r[schedule]["max_grad_diff"] < TOL, (schedule, r[schedule]["worst"],
-                                                         r[schedule]["max_grad_diff"])
-        keys = {k for r in results for k in r[schedule]["keys"]}
-        assert keys <= ref_keys and len(ref_keys - keys) <= 1, (schedule, ref_keys - keys)
 
 
 @pytest.mark.timeout(300)
 def test_every_schedule_with_cuts_inside_layers_llama(tmp_path):
     """gpipe, 1F1B, interleaved, looped BFS, zero-bubble, ZBV, DualPipeV against the whole model."""
-    _check(run_ranks(_worker, 2, tmp_path, "llama", EVERY_SCHEDULE, False), EVERY_SCHEDULE)
+    check_exact(run_ranks(_worker, 2, tmp_path, "llama", EVERY_SCHEDULE, False),
+                EVERY_SCHEDULE, TOL)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gpt2", "mixtral", "opt"])
 def test_family_with_cuts_inside_layers(tmp_path, model_type):
     """1F1B and Interleaved 1F1B with cuts after attention halves (tied heads included)."""
-    _check(run_ranks(_worker, 2, tmp_path, model_type, TWO, False), TWO)
+    check_exact(run_ranks(_worker, 2, tmp_path, model_type, TWO, False), TWO, TOL)
 
 
 @pytest.mark.timeout(240)
 def test_recomputed_halves_train_exactly(tmp_path):
     """Activation checkpointing of every half gives the same loss and gradients."""
-    _check(run_ranks(_worker, 2, tmp_path, "llama", TWO, True), TWO)
+    check_exact(run_ranks(_worker, 2, tmp_path, "llama", TWO, True), TWO, TOL)
 
 
 @pytest.mark.timeout(240)
 def test_halves_with_a_split_head_train_exactly(tmp_path):
     """Cuts inside layers and between vocabulary shards of the head in one plan."""
-    _check(run_ranks(_worker, 2, tmp_path, "qwen2", WITH_SHARDS, False), WITH_SHARDS)
+    check_exact(run_ranks(_worker, 2, tmp_path, "qwen2", WITH_SHARDS, False), WITH_SHARDS, TOL)
