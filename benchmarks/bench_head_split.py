@@ -58,7 +58,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = model_config(tmp)
         profile = profile_model(model, backend="cpu", micro_batch_size=args.micro_batch_size,
-                                seq_len=args.seq_len, num_warmup=3, num_repeats=10)
+                                seq_len=args.seq_len, num_warmup=3, num_repeats=10,
+                                neighbours=1)  # as `autopart profile --pp 2` does
         boundary = max(b.output_bytes for b in profile.blocks if b.kind == "decoder_layer")
         latency_ms, bandwidth, _ = measure_link(boundary)
         print(f"gloo link (localhost): latency {latency_ms * 1e3:.0f} us, bandwidth "
