@@ -3,8 +3,9 @@ whole-block plan, predicted and measured.
 
 The model is ``heavy-head-llama`` (vocabulary 32768, hidden 256) with 4 decoder
 layers, so the head (lm_head + loss) costs more than all the layers together and
-is the wall of any whole-block split over 2 ranks. Profiles it on CPU with one
-thread (as each rank runs), measures the local gloo link, then plans pp=2, 1F1B,
+is the wall of any whole-block split over 2 ranks. Profiles it on CPU as
+``autopart profile --pp 2`` does (one thread, as each rank runs, beside one busy
+neighbour), measures the local gloo link, then plans pp=2, 1F1B,
 m fixed, ``partition="optimal"`` twice: ``granularity="layer"`` (whole blocks, the
 best a partitioner without a head split can do) and ``granularity="sublayer"`` (the
 head split into vocabulary shards, ``lm_head.shard<i>of<k>``), and says which of the
@@ -25,10 +26,8 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
-from bench_verify_heavy_head import measure_link, print_reports
+from bench_verify_heavy_head import measure_link, print_reports, profile_for_two_ranks, run_args
 
-from autopart.profile import profile_model
 from autopart.solve import make_plan
 from autopart.verify import RunReport, RunSettings, verify_plan
 
@@ -46,20 +45,11 @@ def model_config(directory: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args()
+    args = run_args(__doc__.split("\n\n")[0])
     load_before = os.getloadavg()
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = model_config(tmp)
-        profile = profile_model(model, backend="cpu", micro_batch_size=args.micro_batch_size,
-                                seq_len=args.seq_len, num_warmup=3, num_repeats=10,
-                                neighbours=1)  # as `autopart profile --pp 2` does
+        profile = profile_for_two_ranks(model, args)
         boundary = max(b.output_bytes for b in profile.blocks if b.kind == "decoder_layer")
         latency_ms, bandwidth, _ = measure_link(boundary)
         print(f"gloo link (localhost): latency {latency_ms * 1e3:.0f} us, bandwidth "

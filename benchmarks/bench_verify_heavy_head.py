@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopart.profile import profile_model
+from autopart.schema import Profile
 from autopart.solve import make_plan
 from autopart.verify import RunReport, RunSettings, calibrate_profile, verify_plan
 
@@ -89,19 +90,29 @@ def _row(name: str, report: RunReport) -> list[str]:
     return cells
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_args(description: str) -> argparse.Namespace:
+    """The command line shared with ``bench_head_split``: shape, m, steps, warm-up."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args()
-    load_before = os.getloadavg()
+    return parser.parse_args()
+
+
+def profile_for_two_ranks(model: str, args: argparse.Namespace) -> Profile:
+    """``model`` profiled as ``autopart profile MODEL --pp 2`` does on this 2-core
+    machine: one thread, one busy neighbour."""
     torch.set_num_threads(1)
-    profile = profile_model(MODEL, backend="cpu", micro_batch_size=args.micro_batch_size,
-                            seq_len=args.seq_len, num_warmup=3, num_repeats=10,
-                            neighbours=1)  # as `autopart profile --pp 2` does
+    return profile_model(model, backend="cpu", micro_batch_size=args.micro_batch_size,
+                         seq_len=args.seq_len, num_warmup=3, num_repeats=10, neighbours=1)
+
+
+def main() -> None:
+    args = run_args(__doc__.split("\n\n")[0])
+    load_before = os.getloadavg()
+    profile = profile_for_two_ranks(MODEL, args)
     boundary = max(b.output_bytes for b in profile.blocks if b.kind == "decoder_layer")
     latency_ms, bandwidth, raw = measure_link(boundary)
     print(f"gloo link (localhost): latency {latency_ms * 1e3:.0f} us, bandwidth "
