@@ -27,7 +27,6 @@ from autopart.errors import AutopartError, ProfileError
 from autopart.intake import BlockChain, LoadedModel, discover_blocks, load_model
 from autopart.intake.blocks import Block
 from autopart.intake.forward import leaf_paths
-from autopart.intake.head_split import head_split_refusal
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
@@ -38,12 +37,13 @@ from autopart.profile.inner import (
     with_crossing_bytes,
 )
 from autopart.profile.materialize import materialize_block, param_bytes_and_count
+from autopart.profile.model_info import model_info
 from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
-from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup
+from autopart.schema import BlockProfile, Profile, ProfileSetup
 
 __all__ = ["profile_model"]
 
@@ -124,7 +124,7 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
             timed_glue = (isinstance(engine, MeasuringEngine)
                           and engine.device.type in ("cpu", "cuda"))
             glue_ms = runner.time_glue(outputs) if timed_glue else 0.0
-            info = _model_info(loaded, chain, blocks)
+            info = model_info(loaded, chain, blocks)
             head_grad = (_head_grad_ms(engine, model, chain, dtype) if info.head_split_rows
                          else 0.0)
             load_after = load_average()
@@ -358,69 +358,6 @@ def _signature(chain: BlockChain, idx: int, module: nn.Module, args: tuple, kwar
         else:
             digest.update(f"{leaf!r}"[:200].encode())
     return digest.hexdigest()
-
-
-def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile]) -> list[str]:
-    """The one-line notes of ``ModelInfo.notes`` for a profiled model."""
-    notes = []
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == "eager" and \
-            not getattr(model, "_supports_sdpa", True):
-        notes.append(f"attention: eager; transformers has no SDPA attention for "
-                     f"{config.model_type}, so it is profiled and trained with eager")
-    notes.extend(chain.notes)
-    if chain.granularity == "quarter":
-        notes.append("quarter: decoder layer halves are split before their output projection "
-                     "where exact (attention up to o_proj, o_proj, MLP up to down_proj, "
-                     "down_proj in Llama-like layers); the residual crosses those cuts too")
-    if chain.granularity == "sublayer":
-        notes.append("sublayer: each decoder layer is two blocks, its attention half and its "
-                     "MLP half, each named by its last module (a cut falls after it)")
-    for block in chain.blocks:
-        if block.modules and not block.layer:
-            notes.append(f"block {block.name} runs {' + '.join(block.modules)}: the forward "
-                         f"uses them together, so no exact cut separates them")
-    loads = [b.expert_load for b in blocks if b.expert_load]
-    if loads:
-        notes.append(f"MoE routing over {len(loads)} layers: the busiest expert got "
-                     f"{max(x[0] for x in loads):.2f}x the mean tokens, the idlest "
-                     f"{min(x[1] for x in loads):.2f}x (random weights; a trained router differs)")
-    coef = getattr(config, "router_aux_loss_coef", None)
-    if loads and coef:
-        notes.append(f"router auxiliary loss (router_aux_loss_coef={coef}) is dropped: the "
-                     f"pipeline trains on the token loss only")
-    return notes
-
-
-def _model_info(loaded: LoadedModel, chain: BlockChain,
-                blocks: list[BlockProfile]) -> ModelInfo:
-    config = loaded.config
-    hf = chain.family == "hf_causal_lm" and config is not None
-    num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
-    if chain.granularity in ("sublayer", "quarter"):
-        num_layers = len({b.layer for b in chain.blocks if b.layer})
-    elif not hf:
-        num_layers = sum(1 for b in chain.blocks if b.class_name in chain.layer_class_names)
-    return ModelInfo(
-        name=loaded.name, fingerprint=chain.fingerprint,
-        num_params=sum(p.numel() for p in loaded.model.parameters()), source=loaded.source,
-        family=getattr(config, "model_type", chain.family) if hf else chain.family,
-        tied_embeddings=chain.tied_embeddings,
-        vocab_size=int(getattr(config, "vocab_size", 0) or 0) if hf else 0,
-        hidden_size=int(getattr(config, "hidden_size", 0) or 0) if hf else 0,
-        num_layers=num_layers, layer_classes=chain.layer_class_names,
-        shared_modules=chain.shared_modules,
-        head_split_rows=_head_split_rows(loaded.model, chain),
-        notes=tuple(model_notes(loaded.model, chain, blocks)))
-
-
-def _head_split_rows(model: nn.Module, chain: BlockChain) -> int:
-    """Rows of the head's weight if the runtime can split the head by vocabulary, else 0."""
-    head = chain.blocks[-1]
-    if (chain.family != "hf_causal_lm" or head.kind != "head" or head.modules
-            or head_split_refusal(model, head.name) is not None):
-        return 0
-    return int(model.get_submodule(head.name).weight.shape[0])
 
 
 def _transformers_version() -> str:

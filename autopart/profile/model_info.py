@@ -1,0 +1,74 @@
+"""What a profile says about the model itself (``ModelInfo``): sizes, layout, notes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autopart.intake import BlockChain, LoadedModel
+from autopart.intake.head_split import head_split_refusal
+from autopart.schema import BlockProfile, ModelInfo
+
+__all__ = ["model_info", "model_notes"]
+
+
+def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile]) -> list[str]:
+    """The one-line notes of ``ModelInfo.notes`` for a profiled model."""
+    notes = []
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "eager" and \
+            not getattr(model, "_supports_sdpa", True):
+        notes.append(f"attention: eager; transformers has no SDPA attention for "
+                     f"{config.model_type}, so it is profiled and trained with eager")
+    notes.extend(chain.notes)
+    if chain.granularity == "quarter":
+        notes.append("quarter: decoder layer halves are split before their output projection "
+                     "where exact (attention up to o_proj, o_proj, MLP up to down_proj, "
+                     "down_proj in Llama-like layers); the residual crosses those cuts too")
+    if chain.granularity == "sublayer":
+        notes.append("sublayer: each decoder layer is two blocks, its attention half and its "
+                     "MLP half, each named by its last module (a cut falls after it)")
+    for block in chain.blocks:
+        if block.modules and not block.layer:
+            notes.append(f"block {block.name} runs {' + '.join(block.modules)}: the forward "
+                         f"uses them together, so no exact cut separates them")
+    loads = [b.expert_load for b in blocks if b.expert_load]
+    if loads:
+        notes.append(f"MoE routing over {len(loads)} layers: the busiest expert got "
+                     f"{max(x[0] for x in loads):.2f}x the mean tokens, the idlest "
+                     f"{min(x[1] for x in loads):.2f}x (random weights; a trained router differs)")
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if loads and coef:
+        notes.append(f"router auxiliary loss (router_aux_loss_coef={coef}) is dropped: the "
+                     f"pipeline trains on the token loss only")
+    return notes
+
+
+def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile]) -> ModelInfo:
+    """The profile's ``ModelInfo``: sizes from the config, the chain's layout, the notes."""
+    config = loaded.config
+    hf = chain.family == "hf_causal_lm" and config is not None
+    num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
+    if chain.granularity in ("sublayer", "quarter"):
+        num_layers = len({b.layer for b in chain.blocks if b.layer})
+    elif not hf:
+        num_layers = sum(1 for b in chain.blocks if b.class_name in chain.layer_class_names)
+    return ModelInfo(
+        name=loaded.name, fingerprint=chain.fingerprint,
+        num_params=sum(p.numel() for p in loaded.model.parameters()), source=loaded.source,
+        family=getattr(config, "model_type", chain.family) if hf else chain.family,
+        tied_embeddings=chain.tied_embeddings,
+        vocab_size=int(getattr(config, "vocab_size", 0) or 0) if hf else 0,
+        hidden_size=int(getattr(config, "hidden_size", 0) or 0) if hf else 0,
+        num_layers=num_layers, layer_classes=chain.layer_class_names,
+        shared_modules=chain.shared_modules,
+        head_split_rows=_head_split_rows(loaded.model, chain),
+        notes=tuple(model_notes(loaded.model, chain, blocks)))
+
+
+def _head_split_rows(model: nn.Module, chain: BlockChain) -> int:
+    """Rows of the head's weight if the runtime can split the head by vocabulary, else 0."""
+    head = chain.blocks[-1]
+    if (chain.family != "hf_causal_lm" or head.kind != "head" or head.modules
+            or head_split_refusal(model, head.name) is not None):
+        return 0
+    return int(model.get_submodule(head.name).weight.shape[0])
