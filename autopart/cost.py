@@ -13,9 +13,10 @@ Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per sta
   ``checkpointed``), plus the stage output that torch keeps in ``fwd_cache`` until
   the backward (for a causal LM's last stage, the logits: the loss runs outside the
   stage), less the first block's saved input, which lives in a receive buffer.
-- receive buffers (``recv_buffer_bytes``): torch allocates one activation buffer and
-  one gradient buffer per microbatch (``args_recv_info[mb]``, ``grad_recv_info[mb]``)
-  at the first step and keeps them: ``m * (input_bytes + output_bytes)``.
+- receive buffers (``autopart.rank_cost.recv_buffer_bytes``): torch allocates one
+  activation buffer and one gradient buffer per microbatch (``args_recv_info[mb]``,
+  ``grad_recv_info[mb]``) at the first step and keeps them:
+  ``m * (input_bytes + output_bytes)``.
 - ``transient_bytes``: the largest block workspace on top of that block's saved
   activations (the profile measures it at the block's own peak, so a workspace that
   peaks after autograd freed saved tensors adds only the excess); under recompute
@@ -35,13 +36,12 @@ Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from autopart.intake.head_split import parse_shard
-from autopart.schema import DTYPE_BYTES, Plan, Profile, RuntimeOverhead, TrainingSetup
+from autopart.schema import DTYPE_BYTES, Profile, RuntimeOverhead, TrainingSetup
 
 __all__ = [
     "BlockArrays",
@@ -49,12 +49,8 @@ __all__ = [
     "block_arrays",
     "checkpointed",
     "comm_ms",
-    "rank_static_bytes",
-    "recv_buffer_bytes",
-    "shared_grad_sync_ms",
     "stage_cost",
     "static_bytes_per_param",
-    "step_overhead_ms",
 ]
 
 
@@ -83,7 +79,7 @@ class StageCost:
     tied embedding/head weight, a head split by vocabulary), if this stage holds part."""
     tied_part_bytes: int = 0
     """The part of ``static_bytes`` that is that weight (a shard's rows, or the tied
-    weight once per owning block); ``rank_static_bytes`` counts the whole once instead."""
+    weight once per owning block); ``rank_cost.rank_static_bytes`` counts the whole once instead."""
     held_for_weight_bytes: int = 0
     """Split-backward schedules: bytes a microbatch holds from its B until its W on top
     of ``activation_bytes`` (module docstring; negative when B frees more than it keeps)."""
@@ -110,22 +106,6 @@ def checkpointed(kind: str) -> bool:
     return kind not in _NOT_CHECKPOINTED
 
 
-def rank_static_bytes(costs: Sequence[StageCost], stages: Sequence[int]) -> int:
-    """Static bytes of a rank holding ``stages``: each stage's, the shared weight once.
-
-    Torch shares one Parameter (and so one gradient and one optimizer state) between
-    the embedding and the head when both sit on the same rank, and the runtime holds a
-    head split by vocabulary whole on every rank with one of its shards.
-    """
-    whole = max((costs[s].tied_static_bytes for s in stages), default=0)
-    return sum(costs[s].static_bytes - costs[s].tied_part_bytes for s in stages) + whole
-
-
-def recv_buffer_bytes(cost: StageCost, num_microbatches: int) -> int:
-    """torch's receive buffers of a stage: one activation and one gradient per microbatch."""
-    return num_microbatches * (cost.input_bytes + cost.output_bytes)
-
-
 def static_bytes_per_param(setup: TrainingSetup) -> float:
     """Bytes of parameters + gradients + optimizer state (+ master copy) per parameter.
 
@@ -140,39 +120,6 @@ def static_bytes_per_param(setup: TrainingSetup) -> float:
         return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + \
             sharded / setup.dp_size
     return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + sharded
-
-
-def step_overhead_ms(setup: TrainingSetup) -> float:
-    """The runtime's fixed work per step (``RuntimeOverhead.step_ms``; 0 without a check)."""
-    overhead = setup.runtime_overhead
-    return overhead.step_ms if overhead is not None else 0.0
-
-
-def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
-                        setup: TrainingSetup) -> float:
-    """The per-step sum of a shared weight's gradient over the ranks holding it.
-
-    The runtime all-reduces the whole gradient of the weight held on several ranks (a
-    tied embedding/head, a head split by vocabulary) after the schedule, over the
-    pipeline link: a ring of ``n`` holders moves ``2 (n - 1) / n`` of its bytes per rank
-    in ``2 (n - 1)`` steps, each paying the link latency.
-
-    Args:
-        costs: Every stage's cost, in stage order.
-        stage_ranks: The pp rank of each stage.
-        setup: Its precision (gradient dtype) and link.
-
-    Returns:
-        Milliseconds; 0 when the weight is held by one rank or there is none.
-    """
-    holders = {r for c, r in zip(costs, stage_ranks) if c.tied_part_bytes > 0}
-    whole = max((c.tied_static_bytes for c in costs), default=0)
-    num = len(holders)
-    if num < 2 or whole <= 0:
-        return 0.0
-    grad_bytes = whole / static_bytes_per_param(setup) * DTYPE_BYTES[setup.grad_dtype]
-    moved = 2 * (num - 1) / num * grad_bytes
-    return 2 * (num - 1) * setup.link_latency_ms + 1e3 * moved / setup.link_bandwidth_bytes_per_s
 
 
 def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:
@@ -451,17 +398,3 @@ def _stage_workspace(arrays: BlockArrays, work: np.ndarray, first: int, last: in
     held_after = (arrays.prefix_activation[last + 1]
                   - arrays.prefix_activation[first + 1:last + 2])
     return max(int((work - held_after).max()), 0)
-
-
-def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
-    """Rebuild the StageCosts recorded in ``plan`` (to simulate a plan without its profile)."""
-    return [StageCost(fwd_ms=s.fwd_ms, bwd_input_ms=s.bwd_input_ms,
-                      bwd_weight_ms=s.bwd_weight_ms, static_bytes=s.static_bytes,
-                      activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
-                      output_bytes=s.output_bytes, transient_bytes=s.transient_bytes,
-                      param_count=s.param_count, recompute=s.recompute,
-                      tied_static_bytes=s.tied_static_bytes,
-                      tied_part_bytes=s.tied_part_bytes,
-                      held_for_weight_bytes=s.held_for_weight_bytes,
-                      adopted_grad_bytes=s.adopted_grad_bytes)
-            for s in plan.stages]

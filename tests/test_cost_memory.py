@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopart.cost import block_arrays, checkpointed, rank_static_bytes, stage_cost
+from autopart.cost import block_arrays, checkpointed, stage_cost
+from autopart.rank_cost import rank_static_bytes
 from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
 from autopart.simulate import simulate
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from solve_helpers import llama_like
 
-from autopart.cost import StageCost, block_arrays, shared_grad_sync_ms, stage_cost
+from autopart.cost import StageCost, block_arrays, stage_cost
 from autopart.profile.devices import load_device_spec
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
+from autopart.rank_cost import shared_grad_sync_ms
 from autopart.schema import TrainingSetup
 from autopart.solve.shards import apply_granularity, split_head
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from autopart.cost import StageCost, shared_grad_sync_ms, stage_costs_of_plan, step_overhead_ms
+from autopart.cost import StageCost
+from autopart.rank_cost import shared_grad_sync_ms, stage_costs_of_plan, step_overhead_ms
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import Plan, TrainingSetup
 from autopart.simulate.engine import SimResult, simulate
@@ -18,9 +19,9 @@ def with_step_overhead(result: SimResult, setup: TrainingSetup,
                        virtual_stages: int = 1) -> SimResult:
     """``result`` with the runtime's per-step work outside the schedule added.
 
-    That is its fixed work (``cost.step_overhead_ms``) and, given the stages' ``costs``
+    That is its fixed work (``rank_cost.step_overhead_ms``) and, given the stages' ``costs``
     and ``schedule``, the sum of a weight held on several ranks (tied embedding/head,
-    split head) over its holders (``cost.shared_grad_sync_ms``). Every rank waits for
+    split head) over its holders (``rank_cost.shared_grad_sync_ms``). Every rank waits for
     it, so step and idle times grow by it; busy times and the events stay the schedule's.
 
     Args:

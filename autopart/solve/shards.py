@@ -18,7 +18,7 @@ zero-fill when a rank first needs it (``ProfileSetup.head_grad_ms``, measured on
 and cuda, estimated from memory bandwidth on analytical profiles; a profile without
 it gets a note; ``autopart.cost.stage_cost`` spreads it over the microbatches' F) and
 the sum of the gradient over the ranks holding the weight
-(``autopart.cost.shared_grad_sync_ms``).
+(``autopart.rank_cost.shared_grad_sync_ms``).
 ``k`` makes a shard about a quarter of the smallest decoder layer (or half-layer):
 ``ceil(4 * head / unit)``, within 2..64, so that stages of uneven layer halves can
 still be levelled by the shards after them.
