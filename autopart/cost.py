@@ -42,6 +42,7 @@ import numpy as np
 
 from autopart.intake.head_split import parse_shard
 from autopart.schema import DTYPE_BYTES, Profile, RuntimeOverhead, TrainingSetup
+from autopart.shared_weights import half_span, shared_half, span_sum, tied_params
 
 __all__ = [
     "BlockArrays",
@@ -86,6 +87,10 @@ class StageCost:
     adopted_grad_bytes: int = 0
     """The part of ``transient_bytes`` that is weight gradients: paid only by the stage's
     weight-gradient backwards after its first in a step (module docstring)."""
+    shared_half_bytes: int = 0
+    """Static bytes of the layer half the stage ends inside (cut between two of its
+    slices, ``autopart.solve.slices``): held whole by this stage and the next, whose
+    gradients are summed after the step."""
 
     @property
     def bwd_ms(self) -> float:
@@ -180,6 +185,9 @@ class BlockArrays:
     """Prefix of the blocks' ``held_for_weight_bytes`` (None: all zero)."""
     adopted_grad_bytes: np.ndarray | None = None
     """Per block, the weight gradients in its workspace (None: all zero)."""
+    half_span: tuple[np.ndarray, np.ndarray] | None = None
+    """Per block, the first and last block of the layer half it is a slice of (itself
+    for other blocks; None: no slices): a stage holds its end halves whole."""
 
     @property
     def num_blocks(self) -> int:
@@ -205,7 +213,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
     bwd_w = np.array([b.bwd_weight_ms for b in blocks], dtype=np.float64)
     num_params = np.array([b.num_params for b in blocks], dtype=np.int64)
     static = np.round(num_params * per_param).astype(np.int64)
-    tied_part, tied_whole = _tied_params(profile)
+    tied_part, tied_whole = tied_params(profile)
     tied = np.round(tied_part * per_param).astype(np.int64)
     act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
     out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
@@ -233,30 +241,10 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_held_for_weight=prefix(np.array([b.held_for_weight_bytes for b in blocks],
                                                dtype=np.int64)),
         adopted_grad_bytes=np.array([b.adopted_grad_bytes for b in blocks], dtype=np.int64),
+        half_span=half_span([b.name for b in blocks]),
     )
 
 
-def _tied_params(profile: Profile) -> tuple[np.ndarray, int]:
-    """Per block, its parameters of the one weight held whole on several ranks, and
-    that weight's parameters: a head split by vocabulary (each shard its rows, the
-    whole head held), the tied embedding/head weight (``vocab x hidden`` on the
-    embedding and on the head), or both; zeros and 0 when there is none."""
-    blocks = profile.blocks
-    part = np.zeros(len(blocks), dtype=np.int64)
-    shards = [i for i, b in enumerate(blocks) if parse_shard(b.name)]
-    heads = [i for i, b in enumerate(blocks) if b.kind == "head" and i not in shards]
-    for i in shards:
-        part[i] = blocks[i].num_params
-    whole = int(part.sum())
-    model = profile.model
-    embeddings = [i for i, b in enumerate(blocks) if b.kind == "embedding"]
-    if model.tied_embeddings and len(embeddings) == 1 and len(heads) + bool(shards) == 1:
-        owners = embeddings + heads
-        tied = min([model.vocab_size * model.hidden_size]
-                   + [blocks[i].num_params for i in owners])
-        part[owners] = tied
-        whole = max(whole, tied)
-    return part, whole
 
 
 def _held_final_output(profile: Profile) -> int:
@@ -321,18 +309,20 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms + _head_grad_fwd_ms(arrays, first, last),
         bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
-        static_bytes=int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
+        static_bytes=span_sum(arrays.half_span, arrays.prefix_static, first, last),
         activation_bytes=act,
         input_bytes=input_bytes,
         output_bytes=int(arrays.output_bytes[last]) if last < last_block else 0,
         transient_bytes=transient,
-        param_count=int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]),
+        param_count=span_sum(arrays.half_span, arrays.prefix_num_params, first, last),
         recompute=recompute,
         tied_static_bytes=tied_whole,
         tied_part_bytes=tied_part,
         held_for_weight_bytes=_held_for_weight(arrays, first, last),
         adopted_grad_bytes=adopted,
+        shared_half_bytes=shared_half(arrays.half_span, arrays.prefix_static, last),
     )
+
 
 
 def _held_for_weight(arrays: BlockArrays, first: int, last: int) -> int:

@@ -26,7 +26,10 @@ def rank_static_bytes(costs: Sequence[StageCost], stages: Sequence[int]) -> int:
     head split by vocabulary whole on every rank with one of its shards.
     """
     whole = max((costs[s].tied_static_bytes for s in stages), default=0)
-    return sum(costs[s].static_bytes - costs[s].tied_part_bytes for s in stages) + whole
+    held = set(stages)
+    # a half cut between two stages of this rank (ZBV's turn) is held once
+    twice = sum(costs[s].shared_half_bytes for s in stages if s + 1 in held)
+    return sum(costs[s].static_bytes - costs[s].tied_part_bytes for s in stages) + whole - twice
 
 
 def recv_buffer_bytes(cost: StageCost, num_microbatches: int) -> int:
@@ -59,12 +62,30 @@ def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
     """
     holders = {r for c, r in zip(costs, stage_ranks) if c.tied_part_bytes > 0}
     whole = max((c.tied_static_bytes for c in costs), default=0)
-    num = len(holders)
-    if num < 2 or whole <= 0:
-        return 0.0
-    grad_bytes = whole / static_bytes_per_param(setup) * DTYPE_BYTES[setup.grad_dtype]
+    tied = _ring_ms(whole, len(holders), setup) if len(holders) > 1 and whole > 0 else 0.0
+    return tied + _half_sync_ms(costs, stage_ranks, setup)
+
+
+def _ring_ms(static_bytes: int, num: int, setup: TrainingSetup) -> float:
+    """All-reduce of the gradient of a weight of ``static_bytes`` over ``num`` ranks."""
+    grad_bytes = static_bytes / static_bytes_per_param(setup) * DTYPE_BYTES[setup.grad_dtype]
     moved = 2 * (num - 1) / num * grad_bytes
     return 2 * (num - 1) * setup.link_latency_ms + 1e3 * moved / setup.link_bandwidth_bytes_per_s
+
+
+def _half_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
+                  setup: TrainingSetup) -> float:
+    """The sums of the halves cut between stages of two ranks (``autopart.solve.slices``):
+    each pair of ranks sums its half's gradient, pairs at the same time; a rank in
+    several pairs does them one after another. The busiest rank's total."""
+    per_rank: dict[int, float] = {}
+    for s, cost in enumerate(costs[:-1]):
+        here, there = stage_ranks[s], stage_ranks[s + 1]
+        if cost.shared_half_bytes > 0 and here != there:
+            ms = _ring_ms(cost.shared_half_bytes, 2, setup)
+            per_rank[here] = per_rank.get(here, 0.0) + ms
+            per_rank[there] = per_rank.get(there, 0.0) + ms
+    return max(per_rank.values(), default=0.0)
 
 
 def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
@@ -77,5 +98,6 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       tied_static_bytes=s.tied_static_bytes,
                       tied_part_bytes=s.tied_part_bytes,
                       held_for_weight_bytes=s.held_for_weight_bytes,
-                      adopted_grad_bytes=s.adopted_grad_bytes)
+                      adopted_grad_bytes=s.adopted_grad_bytes,
+                      shared_half_bytes=s.shared_half_bytes)
             for s in plan.stages]

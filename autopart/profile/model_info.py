@@ -6,6 +6,7 @@ from torch import nn
 
 from autopart.intake import BlockChain, LoadedModel
 from autopart.intake.head_split import head_split_refusal
+from autopart.profile.slices import SliceChecks
 from autopart.schema import BlockProfile, ModelInfo
 
 __all__ = ["model_info", "model_notes"]
@@ -43,8 +44,10 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
     return notes
 
 
-def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile]) -> ModelInfo:
-    """The profile's ``ModelInfo``: sizes from the config, the chain's layout, the notes."""
+def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile],
+               slices: SliceChecks | None = None) -> ModelInfo:
+    """The profile's ``ModelInfo``: sizes from the config, the chain's layout, the notes,
+    and the half kinds ``slices`` found can be cut inside their call."""
     config = loaded.config
     hf = chain.family == "hf_causal_lm" and config is not None
     num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
@@ -62,7 +65,9 @@ def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile
         num_layers=num_layers, layer_classes=chain.layer_class_names,
         shared_modules=chain.shared_modules,
         head_split_rows=_head_split_rows(loaded.model, chain),
-        notes=tuple(model_notes(loaded.model, chain, blocks)))
+        slice_units=slices.units() if slices is not None else {},
+        notes=tuple(model_notes(loaded.model, chain, blocks)
+                    + (slices.notes() if slices is not None else [])))
 
 
 def _head_split_rows(model: nn.Module, chain: BlockChain) -> int:

@@ -41,6 +41,7 @@ from autopart.profile.model_info import model_info
 from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
+from autopart.profile.slices import SliceChecks
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, Profile, ProfileSetup
@@ -119,12 +120,13 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
             engine.dtype = torch_dtype
         with busy_neighbours(source, neighbours, torch.get_num_threads(), settings):
             load_before = load_average()
+            slices = SliceChecks(model, chain) if chain.granularity != "layer" else None
             blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
-                                              progress)
+                                              progress, slices)
             timed_glue = (isinstance(engine, MeasuringEngine)
                           and engine.device.type in ("cpu", "cuda"))
             glue_ms = runner.time_glue(outputs) if timed_glue else 0.0
-            info = model_info(loaded, chain, blocks)
+            info = model_info(loaded, chain, blocks, slices)
             head_grad = (_head_grad_ms(engine, model, chain, dtype) if info.head_split_rows
                          else 0.0)
             load_after = load_average()
@@ -158,7 +160,8 @@ def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: s
 
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                     engine: _Engine, backend: str, dtype: str,
-                    progress: ProgressFn | None) -> tuple[list[BlockProfile], dict[int, Any]]:
+                    progress: ProgressFn | None, slices: SliceChecks | None = None
+                    ) -> tuple[list[BlockProfile], dict[int, Any]]:
     """Watch the forward: measure each new kind of call, reuse identical ones; the blocks'
     profiles and every call's output (as the model's code saw it)."""
     hf_init = getattr(model, "_init_weights", None) if chain.family == "hf_causal_lm" else None
@@ -176,6 +179,9 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
 
     def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
         block = block_of[idx]
+        if slices is not None:
+            slices.visit(idx, original, args, kwargs, lambda m: materialize_block(
+                m, engine.device, TORCH_DTYPES[dtype], hf_init), engine.device)
         key = _signature(chain, idx, original, args, kwargs, contexts)
         for pos, leaf in enumerate(leaf_paths(args, kwargs)):
             if (idx, pos) in sources:

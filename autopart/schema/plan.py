@@ -169,6 +169,9 @@ class StagePlan:
     """The part of ``transient_bytes`` that is weight gradients, paid only by backwards
     after the stage's first in a step (``autopart.cost.StageCost``; 0 in plans written
     before it)."""
+    shared_half_bytes: int = 0
+    """Static bytes of the layer half this stage ends inside, held whole here and on the
+    next stage, its gradient summed after the step (``autopart.solve.slices``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

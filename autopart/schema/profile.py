@@ -124,6 +124,11 @@ class ModelInfo:
     """Rows of the head's weight when the head can be split by vocabulary (an HF causal
     LM whose ``nn.Linear`` head's output is returned unchanged), else 0; planning at
     ``auto`` granularity splits it into shard blocks (``autopart.intake.head_split``)."""
+    slice_units: dict[str, int] = field(default_factory=dict)
+    """Per half kind (``attention``, ``mlp``), the units its halves' modules sum over (KV
+    heads, MLP columns) when every half of that kind can be cut inside its call, checked
+    on the profiling backend (``autopart.intake.half_slices``); planning at ``slice``
+    granularity cuts such halves into slice blocks ``<half>.slice<i>of<k>``."""
     notes: tuple[str, ...] = ()
     """One line each on how the model is served: eager attention where transformers
     has no SDPA for the family, blocks fused because no exact cut separates their

@@ -95,7 +95,8 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
             transient_bytes=cost.transient_bytes,
             tied_static_bytes=cost.tied_static_bytes, tied_part_bytes=cost.tied_part_bytes,
             held_for_weight_bytes=cost.held_for_weight_bytes,
-            adopted_grad_bytes=cost.adopted_grad_bytes))
+            adopted_grad_bytes=cost.adopted_grad_bytes,
+            shared_half_bytes=cost.shared_half_bytes))
     result = best.result
     ranks = tuple(
         RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),

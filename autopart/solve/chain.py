@@ -111,6 +111,10 @@ class Chain:
     cut_out: np.ndarray
     """Cut-crossing output bytes per block (head output zeroed)."""
     num_microbatches: int
+    static_ends: tuple[np.ndarray, np.ndarray] | None = None
+    """``(at_start, at_end)``: ``static_prefix`` at the start of the half a stage starting
+    at block i begins inside and after the half a stage ending before j ends inside
+    (``autopart.solve.slices``: such halves are held whole); None without slices."""
     cache: dict = field(default_factory=dict)
 
     @property
@@ -142,7 +146,10 @@ class Chain:
     def memory_window(self, i: np.ndarray, j: np.ndarray, r: int, in_flight: int | np.ndarray
                       ) -> np.ndarray:
         """Vectorized ``memory`` for pairs ``i < j``."""
-        static = self.static_prefix[j] - self.static_prefix[i]
+        if self.static_ends is None:
+            static = self.static_prefix[j] - self.static_prefix[i]
+        else:
+            static = self.static_ends[1][j] - self.static_ends[0][i]
         act = self.act_prefix[r][j] - self.act_prefix[r][i]
         work, act_max = self.transient_table
         transient = range_query(work, np.maximum, i, j)
@@ -237,6 +244,7 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
         fwd_prefix=arrays.prefix_recompute_fwd.astype(np.float64),
         comm_at=comm,
         static_prefix=arrays.prefix_static.astype(np.int64),
+        static_ends=_static_ends(arrays),
         act_prefix=(arrays.prefix_activation.astype(np.int64) + logits,
                     arrays.prefix_kept.astype(np.int64) + logits,
                     arrays.prefix_activation.astype(np.int64) + logits + held_for_weight),
@@ -246,3 +254,14 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
         cut_out=cut_out,
         num_microbatches=setup.num_microbatches,
     )
+
+
+def _static_ends(arrays: BlockArrays) -> tuple[np.ndarray, np.ndarray] | None:
+    """``Chain.static_ends`` from the blocks' half spans (None without slices)."""
+    if arrays.half_span is None:
+        return None
+    prefix = arrays.prefix_static.astype(np.int64)
+    first, last = arrays.half_span
+    at_start = np.concatenate([prefix[first], prefix[-1:]])
+    at_end = np.concatenate([prefix[:1], prefix[last + 1]])
+    return at_start, at_end

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopart.errors import PlanError
+from autopart.intake.half_slices import parse_slice
 from autopart.intake.head_split import parse_shard
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
@@ -30,6 +31,7 @@ from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_
 from autopart.solve.shards import (
     apply_granularity,
     cut_bounds,
+    faster_of_sliced_or_whole,
     faster_of_split_or_whole,
     splits_head,
 )
@@ -120,15 +122,23 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         InfeasibleError: Nothing fits; the message names the memory that would fit.
     """
     args = {k: v for k, v in locals().items() if k not in ("profile", "setup_fields")}
-    if granularity == "auto" and cuts is None and target is None and splits_head(profile):
-        return faster_of_split_or_whole(lambda p: make_plan(
-            p, **{**args, "granularity": "quarter"}, **setup_fields), profile)
+    slice_counts = {parse_slice(c)[2] for c in cuts or () if parse_slice(c)}
+    if granularity == "auto" and slice_counts:
+        granularity = "slice"  # --cuts model.layers.3.mlp.slice1of4: 4 slices per half
+    if granularity == "auto" and cuts is None and target is None:
+        if profile.model.slice_units and profile.setup.granularity != "layer":
+            return faster_of_sliced_or_whole(lambda p, g: make_plan(
+                p, **{**args, "granularity": g}, **setup_fields), profile)
+        if splits_head(profile):
+            return faster_of_split_or_whole(lambda p: make_plan(
+                p, **{**args, "granularity": "quarter"}, **setup_fields), profile)
     if target is not None:
         schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
                                             num_microbatches)
     shard_counts = {parse_shard(c)[2] for c in cuts or () if parse_shard(c)}
     profile, granularity_notes = apply_granularity(  # --cuts lm_head.shard1of4: 4 shards
-        profile, granularity, target, shards=min(shard_counts) if shard_counts else None)
+        profile, granularity, target, shards=min(shard_counts) if shard_counts else None,
+        slices=max(slice_counts) if slice_counts else None)
     _check_args(profile, pp_size, partition, solver, virtual_stages)
     given = None
     if cuts is not None:

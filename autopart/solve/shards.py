@@ -39,28 +39,32 @@ from autopart.errors import InfeasibleError, PlanError
 from autopart.granularity import fuse_layers, fuse_quarters
 from autopart.intake.head_split import parse_shard, shard_names, vocab_range
 from autopart.schema import Plan, Profile
+from autopart.solve.slices import DEFAULT_SLICES, slice_halves
 
-__all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "faster_of_split_or_whole",
-           "split_head", "splits_head"]
+__all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "faster_of_sliced_or_whole",
+           "faster_of_split_or_whole", "split_head", "splits_head"]
 
-GRANULARITY_CHOICES = ("auto", "layer", "sublayer", "quarter")
+GRANULARITY_CHOICES = ("auto", "layer", "sublayer", "quarter", "slice")
 _MAX_SHARDS = 64
 _CARRY_VALUES = 2  # running log-sum-exp, target logit
 _UNIT_KINDS = ("decoder_layer", "attention", "mlp")
 
 
 def apply_granularity(profile: Profile, granularity: str, target: str | None,
-                      shards: int | None = None) -> tuple[Profile, list[str]]:
+                      shards: int | None = None, slices: int | None = None
+                      ) -> tuple[Profile, list[str]]:
     """``profile`` with the blocks ``granularity`` allows, and notes for the plan.
 
     Args:
         profile: The profile to plan.
         granularity: ``auto`` or ``quarter`` (blocks as profiled, the head split into
             shards where the runtime can split it), ``sublayer`` (the same with the parts
-            of a ``quarter`` profile's halves fused back into halves) or ``layer`` (whole
-            blocks).
+            of a ``quarter`` profile's halves fused back into halves), ``slice`` (halves
+            cut inside their call, ``autopart.solve.slices``, the head split) or ``layer``
+            (whole blocks).
         target: An export format, or ``None``; exports plan at ``layer``.
         shards: How many vocabulary shards (default: ``num_shards``).
+        slices: Slices per half at ``slice`` (default: ``slices.DEFAULT_SLICES``).
 
     Returns:
         The profile to plan on and one-line notes.
@@ -75,23 +79,43 @@ def apply_granularity(profile: Profile, granularity: str, target: str | None,
     finer = profile.setup.granularity != "layer" or (rows and profile.blocks[-1].kind == "head")
     if granularity == "layer" or not finer:
         return fuse_layers(profile), []
-    if granularity == "sublayer":
+    if granularity in ("sublayer", "slice"):
         profile = fuse_quarters(profile)
     if target is not None:
         return fuse_layers(profile), [f"{target} cannot express cuts inside a layer or the "
                                       f"head: planned at layer granularity"]
+    notes = []
+    if granularity == "slice":
+        profile, notes = _sliced(profile, slices or DEFAULT_SLICES)
     if not rows or profile.blocks[-1].kind != "head":
-        return profile, []
+        return profile, notes
     num = shards or num_shards(profile)
     head = profile.blocks[-1]
     grad_ms = profile.setup.head_grad_ms
     grad = (f"{grad_ms:.3g} ms, {profile.setup.time_source.split(':')[0]}" if grad_ms > 0 else
             "not in this profile: re-profile to count it")
-    return split_head(profile, num), [
+    return split_head(profile, num), [*notes,
         f"{head.name} split into {num} vocabulary shards, costs by vocabulary fraction; every "
         f"rank with a shard holds the whole head weight ({head.num_params / 1e6:.1f}M "
         f"parameters, counted once per rank), zero-fills its gradient once per step "
         f"({grad}) and sums it with the other holders after the step"]
+
+
+def _sliced(profile: Profile, num: int) -> tuple[Profile, list[str]]:
+    """``profile`` with its sliceable halves in slices, and the note saying so."""
+    units = profile.model.slice_units
+    if not units:
+        why = [n for n in profile.model.notes if "cannot be sliced" in n]
+        return profile, [why[0] if why else "no half can be sliced in this profile (taken "
+                         "before autopart sliced halves, or at layer granularity): re-profile "
+                         "with --granularity sublayer"]
+    sliced = slice_halves(profile, num)
+    what = {"attention": "KV-head groups", "mlp": "column groups"}
+    kinds = ", ".join(f"{k} into {min(num, u)} {what.get(k, 'parts')}"
+                      for k, u in sorted(units.items()))
+    return sliced, [f"halves cut inside their call: {kinds}, costs by unit fraction; a rank "
+                    f"with a slice holds its half whole and sums its gradient with the other "
+                    f"holder after the step"]
 
 
 def splits_head(profile: Profile) -> bool:
@@ -133,6 +157,44 @@ def faster_of_split_or_whole(plan_on: Callable[[Profile], Plan], profile: Profil
         f"{head} kept whole: split into {num_shards(profile)} vocabulary shards the step is "
         f"predicted {split.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} "
         f"ms (every rank with shards holds the whole head weight and sums its gradient)")))
+
+
+def faster_of_sliced_or_whole(plan_at: Callable[[Profile, str], Plan], profile: Profile
+                              ) -> Plan:
+    """``auto`` on a profile with sliceable halves: the faster of the plan with the halves
+    cut into slices (``slice``) and the plan with them whole (``quarter``: as profiled),
+    each with the head split or whole (``faster_of_split_or_whole``).
+
+    Args:
+        plan_at: ``plan_at(profile, granularity)`` plans at a fixed granularity.
+        profile: A profile with ``model.slice_units``.
+
+    Returns:
+        The plan with the faster predicted step (whole halves on a tie).
+
+    Raises:
+        InfeasibleError: Neither fits.
+    """
+    def best(p: Profile, granularity: str) -> Plan:
+        if splits_head(p):
+            return faster_of_split_or_whole(lambda q: plan_at(q, granularity), p)
+        return plan_at(p, granularity)
+
+    whole_profile = dataclasses.replace(
+        profile, model=dataclasses.replace(profile.model, slice_units={}))
+    try:
+        sliced = best(profile, "slice")
+    except InfeasibleError:
+        return best(whole_profile, "quarter")
+    try:
+        whole = best(whole_profile, "quarter")
+    except InfeasibleError:
+        return sliced
+    if sliced.predicted_step_ms < whole.predicted_step_ms:
+        return sliced
+    return dataclasses.replace(whole, notes=(*whole.notes, (
+        f"halves kept whole: with halves cut into slices the step is predicted "
+        f"{sliced.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} ms")))
 
 
 def num_shards(profile: Profile) -> int:

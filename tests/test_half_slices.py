@@ -1,0 +1,125 @@
+"""Half slices: names, the structural rule, and the sum of slices against the whole module.
+
+For each family's tiny config the attention and MLP modules of layer 0 are run on the
+arguments the model's own forward gives them (fp32): split at every unit boundary,
+the partial outputs must add up to the module's output, and their gradients to the
+whole module's, within 1e-5. Families whose halves do not split that way are refused
+by the rule (packed projections, norms over all heads) or by the check (StableLM's
+attention reshapes by its configured head count).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import real_model, tiny_config
+
+from autopart.intake.half_slices import (
+    add_outputs,
+    check_slices,
+    collapse_parts,
+    main_output,
+    parse_slice,
+    partial_forward,
+    slice_name,
+    slice_names,
+    slice_rule,
+    unit_range,
+)
+
+TOL = 1e-5
+
+
+def test_names_parse_and_collapse_with_head_shards():
+    assert slice_name("model.layers.3.mlp", 1, 4) == "model.layers.3.mlp.slice1of4"
+    assert parse_slice("model.layers.3.mlp.slice1of4") == ("model.layers.3.mlp", 1, 4)
+    assert parse_slice("model.layers.3.mlp.slice4of4") is None
+    assert parse_slice("model.layers.3.mlp.slice0of1") is None
+    assert parse_slice("model.layers.3.mlp") is None
+    names = ["model.embed_tokens", *slice_names("model.layers.0.self_attn", 2),
+             "model.layers.0.mlp", "lm_head.shard0of2", "lm_head.shard1of2"]
+    assert collapse_parts(names) == ["model.embed_tokens", "model.layers.0.self_attn",
+                                     "model.layers.0.mlp", "lm_head"]
+    assert [unit_range(i, 3, 8) for i in range(3)] == [(0, 2), (2, 5), (5, 8)]
+
+
+def _calls(model_type: str):
+    """Layer 0's attention and MLP modules with the arguments the forward gave them."""
+    if model_type == "stablelm":  # not among the served families' tiny configs
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model("stablelm", vocab_size=96, hidden_size=32,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, intermediate_size=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    else:
+        config = tiny_config(model_type)
+    model = real_model(config)
+    layer = model.model.layers[0]
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, kwargs):
+            seen.setdefault(name, (module, args, kwargs))
+        return hook
+
+    hooks = [getattr(layer, name).register_forward_pre_hook(keep(name), with_kwargs=True)
+             for name in ("self_attn", "mlp")]
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma", "mistral"])
+def test_every_split_sums_to_the_module_with_its_gradients(model_type):
+    for name, (module, args, kwargs) in _calls(model_type).items():
+        rule, why = slice_rule(module)
+        assert rule is not None, why
+        assert rule.kind == ("attention" if name == "self_attn" else "mlp")
+        assert check_slices(module, rule, args, kwargs) == ""
+        x = args[0] if args else kwargs["hidden_states"]
+        weight = torch.linspace(-1, 1, x.numel()).view_as(x)
+
+        def run(bounds, x=x, module=module, rule=rule, args=args, kwargs=kwargs,
+                weight=weight):
+            module.zero_grad()
+            inp = x.detach().clone().requires_grad_()
+            a, kw = ((inp, *args[1:]), kwargs) if args else ((), {**kwargs,
+                                                                  "hidden_states": inp})
+            out = None
+            for lo, hi in bounds:
+                part = partial_forward(module, rule, lo, hi, a, kw)
+                out = part if out is None else add_outputs(out, part)
+            out = main_output(out)
+            (out * weight).sum().backward()
+            return out.detach(), inp.grad, {n: p.grad.clone() for n, p in
+                                            module.named_parameters()}
+
+        whole = run([(0, rule.units)])
+        for cut in range(1, rule.units):
+            got = run([(0, cut), (cut, rule.units)])
+            assert (got[0] - whole[0]).abs().max() < TOL, (model_type, name, cut)
+            assert (got[1] - whole[1]).abs().max() < TOL
+            for key, grad in whole[2].items():
+                assert (got[2][key] - grad).abs().max() < TOL, (model_type, key, cut)
+
+
+@pytest.mark.parametrize(("model_type", "half", "why"), [
+    ("olmo2", "self_attn", "neither projections nor per-head norms"),
+    ("phi3", "self_attn", "do not all read the hidden size"),
+    ("phi3", "mlp", "no per-head layout"),
+])
+def test_halves_that_do_not_split_are_refused_by_the_rule(model_type, half, why):
+    module = _calls(model_type)[half][0]
+    rule, reason = slice_rule(module)
+    assert rule is None and why in reason
+
+
+def test_a_module_that_reshapes_by_its_configured_heads_fails_the_check():
+    module, args, kwargs = _calls("stablelm")["self_attn"]
+    rule, _ = slice_rule(module)
+    assert rule is not None and rule.kind == "attention"
+    assert "fails on sliced weights" in check_slices(module, rule, args, kwargs)

@@ -1,0 +1,125 @@
+"""Planning with layer halves cut inside their call (``granularity="slice"``).
+
+A synthetic ``sublayer`` profile whose attention halves are a third of a layer: at
+whole halves three stages cannot balance five layers, slices can. Checks the derived
+slice costs, the whole half counted on both stages around a cut inside it (stage
+cost, DP memory, a rank holding both), the gradient sum in the step, and the
+``--cuts`` and ``auto`` paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from solve_helpers import MIB, chain_of, make_block, make_profile
+
+from autopart.cost import block_arrays, stage_cost
+from autopart.rank_cost import rank_static_bytes, shared_grad_sync_ms
+from autopart.schema import TrainingSetup
+from autopart.solve import make_plan
+from autopart.solve.shards import apply_granularity
+from autopart.solve.slices import CROSSING_TENSORS, slice_halves
+
+
+def halves_profile(num_layers: int = 5, units: dict | None = None):
+    """embedding, (attention 1 ms, MLP 2 ms) per layer, norm, head; halves sliceable."""
+    blocks = [make_block("model.embed_tokens", kind="embedding", fwd_ms=0.01,
+                         num_params=1000, output_bytes=MIB)]
+    for i in range(num_layers):
+        layer = f"model.layers.{i}"
+        blocks.append(dataclasses.replace(make_block(
+            f"{layer}.self_attn", kind="attention", fwd_ms=1.0, num_params=400_000,
+            activation_bytes=8 * MIB, output_bytes=MIB, transient_bytes=2 * MIB), layer=layer))
+        blocks.append(dataclasses.replace(make_block(
+            f"{layer}.mlp", kind="mlp", fwd_ms=2.0, num_params=800_000,
+            activation_bytes=16 * MIB, output_bytes=MIB, transient_bytes=4 * MIB), layer=layer))
+    blocks.append(make_block("model.norm", kind="norm", fwd_ms=0.01, output_bytes=MIB))
+    blocks.append(make_block("lm_head", kind="head", fwd_ms=0.5, num_params=1000,
+                             output_bytes=4))
+    profile = make_profile(blocks, name="halves")
+    model = dataclasses.replace(profile.model, slice_units=units or {"attention": 2, "mlp": 64})
+    return dataclasses.replace(profile, model=model, setup=dataclasses.replace(
+        profile.setup, granularity="sublayer"))
+
+
+def test_slices_share_the_half_by_units_and_send_three_hidden_states():
+    profile = halves_profile()
+    sliced = slice_halves(profile, 4)
+    names = [b.name for b in sliced.blocks]
+    assert names[1:3] == [f"model.layers.0.self_attn.slice{i}of2" for i in range(2)]
+    assert names[3:7] == [f"model.layers.0.mlp.slice{i}of4" for i in range(4)]
+    mlp = sliced.blocks[3:7]
+    assert sum(b.fwd_ms for b in mlp) == pytest.approx(2.0)
+    assert sum(b.num_params for b in mlp) == 800_000
+    assert sum(b.activation_bytes for b in mlp) == 16 * MIB
+    assert [b.output_bytes for b in mlp] == [CROSSING_TENSORS * MIB] * 3 + [MIB]
+
+
+def test_granularity_slice_notes_and_profiles_without_units():
+    sliced, notes = apply_granularity(halves_profile(), "slice", None)
+    assert len(sliced.blocks) == 1 + 5 * (2 + 4) + 2
+    assert "attention into 2 KV-head groups, mlp into 4 column groups" in notes[0]
+    plain = halves_profile(units={"attention": 2})
+    plain = dataclasses.replace(plain, model=dataclasses.replace(plain.model, slice_units={}))
+    same, notes = apply_granularity(plain, "slice", None)
+    assert same.blocks == plain.blocks and "re-profile" in notes[0]
+    whole, notes = apply_granularity(halves_profile(), "slice", "nxd")
+    assert len(whole.blocks) == 5 + 3 and "layer granularity" in notes[0]
+
+
+def test_a_stage_holds_the_halves_it_starts_or_ends_inside_whole():
+    setup = TrainingSetup(pp_size=2, num_microbatches=4)
+    sliced = slice_halves(halves_profile(), 4)
+    arrays = block_arrays(sliced, setup)
+    whole_mlp = round(800_000 * arrays.static_bytes[3] / arrays.num_params[3])
+    first = stage_cost(arrays, 0, 4)  # ends after mlp.slice1of4 of layer 0
+    second = stage_cost(arrays, 5, len(sliced.blocks) - 1)  # starts at mlp.slice2of4
+    assert first.shared_half_bytes == pytest.approx(whole_mlp, rel=1e-6)
+    assert second.shared_half_bytes == 0
+    whole = stage_cost(arrays, 0, len(sliced.blocks) - 1)
+    # both hold the MLP whole: together they count it once more than the whole chain
+    assert first.static_bytes + second.static_bytes == pytest.approx(
+        whole.static_bytes + first.shared_half_bytes, rel=1e-6)
+    assert first.param_count == 1000 + 400_000 + 800_000
+    # the DP's memory uses the same static bytes
+    chain = chain_of(sliced, setup)
+    assert chain.static_ends[1][5] - chain.static_ends[0][0] == first.static_bytes
+    assert chain.static_ends[1][len(sliced.blocks)] - chain.static_ends[0][5] == \
+        second.static_bytes
+    # one rank holding both stages (a V schedule's turn) holds the half once
+    both = rank_static_bytes([first, second], [0, 1])
+    assert both == whole.static_bytes
+    # two ranks sum the half's gradient after the step
+    sync = shared_grad_sync_ms([first, second], [0, 1], setup)
+    assert sync > 0 and shared_grad_sync_ms([first, second], [0, 0], setup) == 0
+
+
+def test_slices_balance_what_whole_halves_cannot():
+    profile = halves_profile()
+    args = dict(pp_size=3, schedule="1f1b", num_microbatches=12,
+                link_bandwidth_bytes_per_s=1e12, link_latency_ms=0.0)
+    halves = make_plan(profile, granularity="sublayer", **args)
+    sliced = make_plan(profile, granularity="slice", **args)
+    assert sliced.predicted_step_ms < 0.97 * halves.predicted_step_ms
+    assert any(".slice" in c for c in sliced.pipeline_cuts)
+    assert sliced.granularity == "sublayer"
+    auto = make_plan(profile, **args)
+    assert auto.pipeline_cuts == sliced.pipeline_cuts
+
+
+def test_auto_keeps_halves_whole_when_the_gradient_sum_costs_more():
+    profile = halves_profile()
+    slow = dict(pp_size=3, schedule="1f1b", num_microbatches=12,
+                link_bandwidth_bytes_per_s=1e6, link_latency_ms=0.0)
+    auto = make_plan(profile, **slow)
+    assert not any(".slice" in c for c in auto.pipeline_cuts)
+
+
+def test_cuts_name_slices():
+    profile = halves_profile()
+    plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     cuts=["model.layers.2.mlp.slice1of4"])
+    assert plan.pipeline_cuts == ("model.layers.2.mlp.slice1of4",)
+    assert plan.stages[0].shared_half_bytes > 0
+    assert plan.stages[1].modules[0] == "model.layers.2.mlp.slice2of4"
