@@ -146,7 +146,7 @@ def plan_rows(case: Case, split: Split) -> list[tuple]:
     ideal = perfect / (M + PP - 1)
     slowest = max(s.fwd_ms + s.bwd_ms for s in plan.stages)
     planned = profile
-    if split.plan_options.get("granularity") == "slice":  # best over the slices, head whole
+    if any(".slice" in m for s in plan.stages for m in s.modules):  # best over the slices
         planned = slice_halves(fuse_quarters(profile))
     return rows + [(f"autopart {split.name}", plan.predicted_step_ms / perfect,
                     free.predicted_step_ms / perfect, sizes, slowest / ideal,

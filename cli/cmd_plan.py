@@ -81,7 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="never use activation recomputation to fit memory")
     p.add_argument("--granularity", default="auto", choices=GRANULARITY_CHOICES,
                    help="auto: the finest blocks the runtime runs, the head split into "
-                        "vocabulary shards (lm_head.shard<i>of<k>); layer: whole blocks "
+                        "vocabulary shards (lm_head.shard<i>of<k>) and layer halves cut "
+                        "inside their call where faster (slice: always, "
+                        "model.layers.3.mlp.slice1of4); quarter, sublayer: halves cut "
+                        "before their output projection, or whole; layer: whole blocks "
                         "(exports such as nxd and megatron always plan at layer)")
     p.add_argument("--cuts", default=None, metavar="FQN,...",
                    help="evaluate this split instead of searching: the last block of every "

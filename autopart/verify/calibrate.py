@@ -13,7 +13,8 @@ import dataclasses
 from typing import Any
 
 from autopart.errors import SchemaError
-from autopart.intake.head_split import collapse_shards, parse_shard
+from autopart.intake.half_slices import collapse_parts, parse_slice
+from autopart.intake.head_split import parse_shard
 from autopart.schema import BlockProfile, Plan, Profile
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
@@ -52,8 +53,8 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     for stage in report.stages:
         ratio = _ratios(stage)
         for name in stage.modules:
-            # a head shard i of k: its stage's ratio counts for 1/k of the whole head
-            parsed = parse_shard(name)
+            # a head shard or half slice i of k: its stage's ratio counts for 1/k of the block
+            parsed = parse_shard(name) or parse_slice(name)
             block, weight = (parsed[0], 1 / parsed[2]) if parsed else (name, 1.0)
             shares.setdefault(block, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
@@ -86,7 +87,7 @@ def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
         raise SchemaError(f"this run (plan digest {report.plan_digest}) is already folded into "
                           f"the profile; calibrate the original profile, or verify again")
     names = {b.name for b in profile.blocks}
-    missing = [m for s in report.stages for m in collapse_shards(s.modules) if m not in names]
+    missing = [m for s in report.stages for m in collapse_parts(s.modules) if m not in names]
     if missing:
         raise SchemaError(f"the run report names blocks the profile lacks ({missing[:3]}); "
                           f"pass the profile the plan came from")
