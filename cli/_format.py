@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from autopart.errors import AutopartError
+from autopart.intake.half_slices import parse_slice
 from autopart.intake.head_split import parse_shard
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -33,8 +34,10 @@ def gib(num_bytes: float) -> str:
 
 def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
     """``[a.layers.0, a.layers.1, a.layers.2, b]`` -> ``a.layers.0-2, b``; head shards
-    ``lm_head.shard0of4 .. lm_head.shard2of4`` -> ``lm_head.shard0-2of4``."""
-    modules = _summarize_shards(modules)
+    ``lm_head.shard0of4 .. lm_head.shard2of4`` -> ``lm_head.shard0-2of4``, half slices
+    likewise (all of a half's slices: the half); a layer's consecutive halves
+    (``a.layers.0.self_attn, a.layers.0.mlp``) -> the layer."""
+    modules = _whole_layers(_summarize_parts(modules))
     out: list[str] = []
     run_prefix, run_start, run_end = None, None, None
 
@@ -59,17 +62,33 @@ def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
     return ", ".join(out)
 
 
-def _summarize_shards(modules: list[str] | tuple[str, ...]) -> list[str]:
+def _summarize_parts(modules: list[str] | tuple[str, ...]) -> list[str]:
     out: list[str] = []
-    runs: list[tuple] = []  # (head, first, last, num) per output slot, () for others
+    runs: list[tuple] = []  # (block, first, last, num, word) per output slot, () for others
     for name in modules:
-        parsed = parse_shard(name)
+        shard = parse_shard(name)
+        parsed, word = (shard, "shard") if shard else (parse_slice(name), "slice")
         if parsed and runs and runs[-1] and runs[-1][0] == parsed[0] \
                 and runs[-1][2] + 1 == parsed[1]:
-            head, first, _, num = runs[-1]
-            runs[-1] = (head, first, parsed[1], num)
-            out[-1] = f"{head}.shard{first}-{parsed[1]}of{num}"
+            block, first, _, num, _ = runs[-1]
+            runs[-1] = (block, first, parsed[1], num, word)
+            whole = word == "slice" and first == 0 and parsed[1] == num - 1
+            out[-1] = block if whole else f"{block}.{word}{first}-{parsed[1]}of{num}"
             continue
-        runs.append((parsed[0], parsed[1], parsed[1], parsed[2]) if parsed else ())
+        runs.append((parsed[0], parsed[1], parsed[1], parsed[2], word) if parsed else ())
+        out.append(name)
+    return out
+
+
+def _whole_layers(modules: list[str]) -> list[str]:
+    """Consecutive halves of one numbered layer (``x.3.self_attn, x.3.mlp``) -> ``x.3``."""
+    out: list[str] = []
+    parents: list[str] = []
+    for name in modules:
+        parent = name.rpartition(".")[0]
+        if parent and re.fullmatch(r".*\.\d+", parent) and parents and parents[-1] == parent:
+            out[-1] = parent
+            continue
+        parents.append(parent)
         out.append(name)
     return out

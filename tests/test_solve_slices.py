@@ -123,3 +123,17 @@ def test_cuts_name_slices():
     assert plan.pipeline_cuts == ("model.layers.2.mlp.slice1of4",)
     assert plan.stages[0].shared_half_bytes > 0
     assert plan.stages[1].modules[0] == "model.layers.2.mlp.slice2of4"
+
+
+def test_the_plan_table_shows_slices_as_ranges_and_whole_halves_as_layers():
+    from cli._format import summarize_modules
+
+    names = ["model.embed_tokens",
+             *(f"model.layers.{i}.{h}.slice{k}of4" for i in range(3)
+               for h in ("self_attn", "mlp") for k in range(4)),
+             "model.layers.3.self_attn.slice0of4", "model.layers.3.self_attn.slice1of4"]
+    assert summarize_modules(names) == ("model.embed_tokens, model.layers.0-2, "
+                                        "model.layers.3.self_attn.slice0-1of4")
+    assert summarize_modules(["model.layers.3.mlp.slice3of4", "model.layers.4.self_attn",
+                              "lm_head.shard0of4", "lm_head.shard1of4"]) == \
+        "model.layers.3.mlp.slice3of4, model.layers.4.self_attn, lm_head.shard0-1of4"
