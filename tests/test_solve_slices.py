@@ -114,6 +114,7 @@ def test_auto_keeps_halves_whole_when_the_gradient_sum_costs_more():
                 link_bandwidth_bytes_per_s=1e6, link_latency_ms=0.0)
     auto = make_plan(profile, **slow)
     assert not any(".slice" in c for c in auto.pipeline_cuts)
+    assert any(n.startswith("halves kept whole") and "not 1% faster" in n for n in auto.notes)
 
 
 def test_cuts_name_slices():

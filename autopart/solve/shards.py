@@ -46,6 +46,8 @@ __all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "faster_of_
 
 GRANULARITY_CHOICES = ("auto", "layer", "sublayer", "quarter", "slice")
 _MAX_SHARDS = 64
+SLICE_MARGIN = 0.01
+"""How much faster ``auto`` must predict the sliced plan to keep it."""
 _CARRY_VALUES = 2  # running log-sum-exp, target logit
 _UNIT_KINDS = ("decoder_layer", "attention", "mlp")
 
@@ -170,7 +172,8 @@ def faster_of_sliced_or_whole(plan_at: Callable[[Profile, str], Plan], profile: 
         profile: A profile with ``model.slice_units``.
 
     Returns:
-        The plan with the faster predicted step (whole halves on a tie).
+        The sliced plan if its predicted step is ``SLICE_MARGIN`` faster, else the
+        other (slice costs are derived by unit fraction, not measured: a margin).
 
     Raises:
         InfeasibleError: Neither fits.
@@ -190,11 +193,13 @@ def faster_of_sliced_or_whole(plan_at: Callable[[Profile, str], Plan], profile: 
         whole = best(whole_profile, "quarter")
     except InfeasibleError:
         return sliced
-    if sliced.predicted_step_ms < whole.predicted_step_ms:
+    if sliced.predicted_step_ms < (1 - SLICE_MARGIN) * whole.predicted_step_ms:
         return sliced
     return dataclasses.replace(whole, notes=(*whole.notes, (
         f"halves kept whole: with halves cut into slices the step is predicted "
-        f"{sliced.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} ms")))
+        f"{sliced.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} ms, not "
+        f"{SLICE_MARGIN:.0%} faster (slice costs are the half's by unit fraction; "
+        f"--granularity slice keeps them)")))
 
 
 def num_shards(profile: Profile) -> int:
