@@ -23,10 +23,11 @@ PG_TIMEOUT_S = 90
 
 def make_stage_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: int,
               num_microbatches: int, recompute: tuple[int, ...] = (),
-              names: list[str] | None = None) -> Plan:
+              names: list[str] | None = None, granularity: str = "layer") -> Plan:
     """A plan with contiguous stages of ``counts`` blocks each, ranks from ``stage_to_rank``.
 
-    ``names`` replaces the chain's block names (e.g. with the head's shard blocks)."""
+    ``names`` replaces the chain's block names (e.g. with the head's shard blocks or a
+    half's slices); ``granularity`` is the plan's."""
     names = names or chain.names
     assert sum(counts) == len(names), (counts, len(names))
     assert len(counts) % pp_size == 0, (counts, pp_size)
@@ -46,7 +47,8 @@ def make_stage_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_s
                 schedule=schedule, num_microbatches=num_microbatches,
                 pipeline_cuts=tuple(s.modules[-1] for s in stages[:-1]), stages=tuple(stages),
                 ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0,
-                setup=TrainingSetup(pp_size=pp_size, num_microbatches=num_microbatches))
+                setup=TrainingSetup(pp_size=pp_size, num_microbatches=num_microbatches),
+                granularity=granularity)
 
 
 def _free_port() -> int:

@@ -30,7 +30,8 @@ from autopart.intake.sources import fill_meta_buffers
 from autopart.intake.sublayer import GRANULARITIES, layer_children, split_halves
 from autopart.intake.trace import CallRecord, ForwardTrace, trace_forward
 
-__all__ = ["GRANULARITIES", "Block", "BlockChain", "discover_blocks", "example_inputs"]
+__all__ = ["GRANULARITIES", "Block", "BlockChain", "discover_blocks", "example_inputs",
+           "with_carries"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -167,6 +168,21 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
     if granularity == "quarter" and chain.granularity == "sublayer":
         chain = split_inner(model, chain, lambda m, c, w: _watch(m, c, w, carry=True), what)
     return chain
+
+
+def with_carries(model: nn.Module, chain: BlockChain) -> BlockChain:
+    """``chain`` with ``trace.carries`` filled: what crosses each cut beside the next call's
+    stream (``ForwardTrace.carries``), from a trace with ``carry=True`` over its calls.
+
+    A cut inside a half's module ``P`` (``autopart.intake.half_slices``) falls inside the
+    half's block, so the residual crossing it rides along as the argument of an earlier
+    call it is (the half's norm's input), as at a ``quarter`` cut.
+    """
+    if chain.trace is None or chain.trace.carries:
+        return chain
+    order, traced = _watch(model, chain.call_fqns, type(model).__name__, carry=True)
+    assert order == chain.call_fqns, (order, chain.call_fqns)  # the same forward, watched again
+    return replace(chain, trace=replace(chain.trace, carries=traced.carries))
 
 
 def _watch(model: nn.Module, candidates: list[str], what: str,

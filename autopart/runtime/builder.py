@@ -21,7 +21,8 @@ from torch import nn
 
 from autopart.errors import RuntimeSetupError
 from autopart.intake import BlockChain, discover_blocks, load_model
-from autopart.intake.head_split import collapse_shards
+from autopart.intake.blocks import with_carries
+from autopart.intake.half_slices import collapse_parts, parse_slice
 from autopart.intake.sources import move_outside_blocks
 from autopart.runtime.groups import Groups, resolve_groups
 from autopart.runtime.loss import HeadShardLoss, TokenMeanLoss
@@ -32,6 +33,7 @@ from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_st
 from autopart.runtime.tensor_parallel import apply_tensor_parallel, tp_plan_of
 from autopart.runtime.tree import prune
 from autopart.runtime.validate import (
+    check_half_slices,
     check_head_split,
     check_model,
     check_plan,
@@ -115,6 +117,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
     split_head = check_head_split(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
+    check_half_slices(plan_obj, chain, root)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
@@ -138,7 +141,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     ties = tied_parameters(root, chain)
     aliases = {later: first for first, later in ties}
 
-    held = [dataclasses.replace(s, modules=tuple(collapse_shards(s.modules))) for s in mine]
+    held = [dataclasses.replace(s, modules=tuple(collapse_parts(s.modules))) for s in mine]
     module = _materialize(root, chain, held, dev, dtype=dtype, param_init_fn=param_init_fn,
                           checkpoint_path=checkpoint_path, init_seed=init_seed,
                           aliases=aliases, ties=ties)
@@ -184,15 +187,14 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
 def chain_for_plan(root: nn.Module, chain: BlockChain, plan: Plan) -> BlockChain:
     """``chain`` at the granularity ``plan`` was made at (its blocks name the halves of
     decoder layers when it was planned from a ``sublayer`` profile, their parts from a
-    ``quarter`` one)."""
-    planned = set(collapse_shards([m for stage in plan.stages for m in stage.modules]))
-    if planned <= set(chain.names):
-        return chain
-    for granularity in ("sublayer", "quarter"):
-        finer = discover_blocks(root, granularity=granularity)
-        if planned <= set(finer.names):
-            return finer
-    return chain
+    ``quarter`` one), with what crosses each cut traced when the plan cuts inside a half's
+    module (``with_carries``: the residual beside a slice cut)."""
+    listed = [m for stage in plan.stages for m in stage.modules]
+    planned = set(collapse_parts(listed))
+    found = chain if planned <= set(chain.names) else next(
+        (finer for finer in (discover_blocks(root, granularity=g) for g in ("sublayer", "quarter"))
+         if planned <= set(finer.names)), chain)
+    return with_carries(root, found) if any(map(parse_slice, listed)) else found
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -250,7 +252,8 @@ def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups
     """Weights held on several ranks, each with a group of its holders, same initial values.
 
     A tied embedding/head weight is held by the embedding's rank and the head's; a
-    head split by vocabulary is held whole by every rank with one of its shards.
+    head split by vocabulary, or a half cut into slices, is held whole by every rank with
+    one of its shards or slices.
     """
     if len(ties) > 1:
         raise RuntimeSetupError(f"{len(ties)} parameters are shared between blocks (e.g. "
@@ -258,7 +261,7 @@ def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups
                                 f"across ranks; untie the others")
     ranks_of: dict[str, set[int]] = {}
     for stage in plan.stages:
-        for name in collapse_shards(stage.modules):
+        for name in collapse_parts(stage.modules):
             ranks_of.setdefault(name, set()).add(stage.rank)
     holders: dict[str, set[int]] = {}  # parameter FQN -> ranks holding it
     for first, later in ties:
@@ -269,6 +272,12 @@ def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups
     for name, _ in module.named_parameters():
         if name.startswith(head + ".") and name not in tied_fqns:
             holders[name] = ranks_of[head]
+    blocks = {b.name: b for b in chain.blocks}
+    for half in {p[0] for s in plan.stages for p in map(parse_slice, s.modules) if p}:
+        prefixes = tuple(f + "." for f in blocks[half].fqns)
+        for name, _ in module.named_parameters():
+            if name.startswith(prefixes):
+                holders[name] = ranks_of[half]
     shared, made = [], {}
     for fqn, ranks in sorted(holders.items()):
         if len(ranks) < 2 or groups.pp_rank not in ranks:

@@ -20,6 +20,12 @@ sends the head's input on with the running (log-sum-exp, target logit) values
 (``autopart.runtime.head_shards``); a stage that starts inside the head skips the
 model's forward; the last shard stage returns per-position losses.
 
+A stage may start or end inside a half's module ``P`` cut into slices
+(``model.layers.3.mlp.slice1of4``, ``autopart.runtime.slices``): ending inside, it
+computes ``P`` from its slices' units at ``P``'s call and sends ``P``'s input, the
+residual and that partial output; starting inside, its first call is ``P``'s, whose
+whole output is the received partial plus its own.
+
 So masks, rotary embeddings, embedding scaling and any other code between blocks
 run exactly as in the unpipelined model, for every family, with no names of one.
 Each becomes a ``torch.distributed.pipelining.PipelineStage``; the schedule class
@@ -50,8 +56,10 @@ from autopart.intake.forward import (
     leaf_paths,
     model_output_tensor,
 )
-from autopart.intake.head_split import collapse_shards, parse_shard, vocab_range
+from autopart.intake.half_slices import collapse_parts, main_output
+from autopart.intake.head_split import parse_shard, vocab_range
 from autopart.runtime.head_shards import HeadCarry, shard_carry, token_losses
+from autopart.runtime.slices import Partial, plus_partial, run_partial, stage_partials
 from autopart.runtime.tree import Tree, prune
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
@@ -76,14 +84,19 @@ class ForwardStage(Tree):
                  autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         index = {b.name: i for i, b in enumerate(chain.blocks)}
-        blocks = [chain.blocks[index[n]] for n in collapse_shards(block_names)]
+        blocks = [chain.blocks[index[n]] for n in collapse_parts(block_names)]
         shards = [p for p in map(parse_shard, block_names) if p is not None]
         prune(root, [f for b in blocks for f in b.fqns], into=self)
         object.__setattr__(self, "_root", root)  # the skeleton: not a submodule of the stage
         self.config = getattr(root, "config", None)
         self._calls = chain.call_fqns
-        self._first_call = blocks[0].calls[0]
-        self._end_call = blocks[-1].calls[-1] + 1
+        # a stage may start and/or end inside a half's module P (``autopart.runtime.slices``)
+        partials = stage_partials(root, chain, block_names)
+        self._partials = {p.call: p for p in partials}
+        starts = [p.call for p in partials if p.starts_inside]
+        ends = [p.call for p in partials if p.ends_inside]
+        self._first_call = starts[0] if starts else blocks[0].calls[0]
+        self._end_call = ends[0] if ends else blocks[-1].calls[-1] + 1
         self.is_first = self._first_call == 0
         self.is_last = self._end_call == len(self._calls)
         self._in_slots = chain.call(self._first_call).stream
@@ -156,6 +169,15 @@ class ForwardStage(Tree):
             a, kw = swaps.swap(a, kw)
             if self._shards is not None and module is self._shards[0]:
                 raise StageExit(self._head_step(leaf_paths(a, kw)[0], labels, None))
+            part = self._partials.get(idx)
+            if part is not None:  # this stage's slices of P (and the received ones)
+                out = self._partial_call(part, original, a, kw, recompute)
+                if part.starts_inside:
+                    out = plus_partial(received[-1], out)
+                if part.ends_inside:
+                    raise StageExit(_sendable(self._stream_of(a, kw), (
+                        *swaps.swap(kept, {})[0], main_output(out)), received))
+                return out
             if idx == self._end_call:
                 raise StageExit(_sendable(self._stream_of(a, kw), swaps.swap(kept, {})[0]))
             if recompute and idx in self._checkpointed:
@@ -183,6 +205,13 @@ class ForwardStage(Tree):
             return token_losses(carry)
         # the next shard stage needs the hidden state too: a copy, never the received tensor
         return (hidden.clone(), *carry)
+
+    def _partial_call(self, part: Partial, original: Callable[..., Any], args: tuple,
+                      kwargs: dict, recompute: bool) -> Any:
+        """``P``'s output from this stage's units, checkpointed like ``P`` when recomputing."""
+        if recompute and part.call in self._checkpointed:
+            return checkpoint(run_partial, part, original, args, kwargs, use_reentrant=False)
+        return run_partial(part, original, args, kwargs)
 
     def _until(self, original: Callable[..., Any], idx: int, args: tuple,
                kwargs: dict) -> tuple[torch.Tensor, ...]:
@@ -227,12 +256,17 @@ def _carried(chain: BlockChain, call: int) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _sendable(stream: tuple[torch.Tensor, ...], carried: tuple[torch.Tensor, ...]
+def _sendable(stream: tuple[torch.Tensor, ...], carried: tuple[torch.Tensor, ...],
+              received: tuple[torch.Tensor, ...] | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """What a stage sends: the next call's stream, then the carried values. torch's
     zero-bubble backward detaches stage outputs in place, which a view (HF heads read
-    ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy."""
-    values = tuple(t.clone() if t._is_view() else t for t in (*stream, *carried))
+    ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy, and so is a
+    received tensor sent on (a stage inside one half passes ``P``'s input and the
+    residual through)."""
+    passed = {id(t) for t in received or ()}
+    values = tuple(t.clone() if t._is_view() or id(t) in passed else t
+                   for t in (*stream, *carried))
     return values[0] if len(values) == 1 else values
 
 

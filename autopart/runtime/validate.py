@@ -14,8 +14,8 @@ from torch import nn
 
 from autopart.errors import PlanError, RuntimeSetupError
 from autopart.intake import BlockChain
+from autopart.intake.half_slices import collapse_parts, parse_slice, slice_names, slice_rule
 from autopart.intake.head_split import (
-    collapse_shards,
     head_split_refusal,
     parse_shard,
     shard_names,
@@ -23,7 +23,7 @@ from autopart.intake.head_split import (
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
 
-__all__ = ["check_head_split", "check_model", "check_plan", "recompute_rule",
+__all__ = ["check_half_slices", "check_head_split", "check_model", "check_plan", "recompute_rule",
            "thread_mismatch"]
 
 
@@ -114,7 +114,7 @@ def _warn_plan_mismatch(plan: Plan, dp_size: int) -> None:
 
 def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
     names = chain.names
-    planned = collapse_shards([m for stage in sorted(plan.stages, key=lambda s: s.index)
+    planned = collapse_parts([m for stage in sorted(plan.stages, key=lambda s: s.index)
                                for m in stage.modules])
     if planned == names:
         if any(not stage.modules for stage in plan.stages):
@@ -168,6 +168,61 @@ def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
                                 f"token-mean loss itself; drop loss_fn or plan with "
                                 f"--granularity layer")
     return True
+
+
+def check_half_slices(plan: Plan, chain: BlockChain, root: nn.Module, *,
+                      where: str = "the plan") -> None:
+    """Raise ``RuntimeSetupError`` unless every half ``plan`` cuts into slices
+    (``autopart.intake.half_slices``) is a decoder-layer half this runtime can cut there.
+
+    ``chain`` must carry ``trace.carries`` (``autopart.intake.blocks.with_carries``) when
+    the plan lists slices.
+
+    Raises:
+        RuntimeSetupError: a half's slices are not ``<half>.slice0ofK`` .. ``slice{K-1}ofK``
+            once each, in order; the sliced block is not a half of a decoder layer or its
+            module does not split (``slice_rule``); K exceeds its units; tp above 1; or a
+            value made by the model's code before the module crosses a cut inside it.
+    """
+    ordered = sorted(plan.stages, key=lambda s: s.index)
+    found: dict[str, list[tuple[str, int]]] = {}  # half -> [(slice name, stage index)]
+    for stage in ordered:
+        for name in stage.modules:
+            parsed = parse_slice(name)
+            if parsed is not None:
+                found.setdefault(parsed[0], []).append((name, stage.index))
+    blocks = {b.name: b for b in chain.blocks}
+    for half, listed in found.items():
+        names = [n for n, _ in listed]
+        num = parse_slice(names[0])[2]  # type: ignore[index]
+        if names != slice_names(half, num):
+            raise RuntimeSetupError(f"{where} lists slices {names[:4]} of {half}; expected "
+                                    f"{half}.slice0of{num} .. slice{num - 1}of{num} once each, "
+                                    f"in order; regenerate the plan")
+        block = blocks.get(half)
+        if block is None or not block.layer or half not in block.fqns:
+            kind = "no block" if block is None else f"a {block.kind} block"
+            raise RuntimeSetupError(f"{where} cuts {half} into slices, but it is {kind}, not "
+                                    f"the module of a decoder-layer half; make the plan from "
+                                    f"this model's sublayer profile")
+        rule, why = slice_rule(root.get_submodule(half))
+        if rule is None:
+            raise RuntimeSetupError(f"{where} cuts {half} into slices, but {why}; plan without "
+                                    f"slices of it")
+        if num > rule.units:
+            unit = "key/value heads" if rule.kind == "attention" else "intermediate columns"
+            raise RuntimeSetupError(f"{where} cuts {half} into {num} slices but it has only "
+                                    f"{rule.units} {unit}; regenerate the plan")
+        if plan.tp_size > 1:
+            raise RuntimeSetupError(f"{where} cuts {half} into slices and splits it over tp "
+                                    f"{plan.tp_size}; plan tensor parallelism without slices")
+        cut = len({stage for _, stage in listed}) > 1
+        call = chain.call_fqns.index(half)
+        if cut and (chain.trace is None or not chain.trace.carries
+                    or chain.trace.carries[call - 1] is None):
+            raise RuntimeSetupError(f"{where} cuts inside {half}, but a value made by the "
+                                    f"model's code before it (not an argument of an earlier "
+                                    f"block) crosses that cut; plan without slices of it")
 
 
 def recompute_rule(mode: bool | str | None) -> Callable:
