@@ -39,7 +39,7 @@ from autopart.errors import InfeasibleError, PlanError
 from autopart.granularity import fuse_layers, fuse_quarters
 from autopart.intake.head_split import parse_shard, shard_names, vocab_range
 from autopart.schema import Plan, Profile
-from autopart.solve.slices import DEFAULT_SLICES, slice_halves
+from autopart.solve.slices import DEFAULT_SLICES, block_part, slice_halves
 
 __all__ = ["GRANULARITY_CHOICES", "apply_granularity", "cut_bounds", "faster_of_sliced_or_whole",
            "faster_of_split_or_whole", "split_head", "splits_head"]
@@ -220,24 +220,10 @@ def split_head(profile: Profile, num: int) -> Profile:
     setup = profile.setup
     carry = _CARRY_VALUES * 4 * setup.micro_batch_size * max(setup.seq_len - 1, 1)
     hidden = profile.blocks[-2].output_bytes if len(profile.blocks) > 1 else 0
-    shards = []
-    for i, name in enumerate(shard_names(head.name, num)):
-        lo, hi = vocab_range(i, num, rows)
-        frac = (hi - lo) / rows
-
-        def part(total: int) -> int:  # rounded at both ends: the shards sum to ``total``
-            return round(total * hi / rows) - round(total * lo / rows)
-
-        shards.append(dataclasses.replace(
-            head, name=name, fwd_ms=head.fwd_ms * frac, bwd_ms=head.bwd_ms * frac,
-            bwd_input_ms=head.bwd_input_ms * frac, bwd_weight_ms=head.bwd_weight_ms * frac,
-            activation_bytes=round(head.activation_bytes * frac),
-            held_for_weight_bytes=round(head.held_for_weight_bytes * frac), adopted_grad_bytes=0,
-            transient_bytes=round(head.transient_bytes * frac),
-            output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
-            param_bytes=part(head.param_bytes), num_params=part(head.num_params),
-            measured=(), reused_from=None,
-            modules=()))
+    shards = [block_part(head, *vocab_range(i, num, rows), rows, name=name,
+                         output_bytes=head.output_bytes if i == num - 1 else hidden + carry,
+                         adopted=False)
+              for i, name in enumerate(shard_names(head.name, num))]
     return dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
 
 

@@ -22,7 +22,7 @@ import dataclasses
 from autopart.intake.half_slices import slice_names, unit_range
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["DEFAULT_SLICES", "CROSSING_TENSORS", "slice_halves"]
+__all__ = ["CROSSING_TENSORS", "DEFAULT_SLICES", "block_part", "slice_halves"]
 
 DEFAULT_SLICES = 4
 """Slices per half: a quarter of a half is finer than the quarter split's coarsest part
@@ -58,22 +58,29 @@ def slice_halves(profile: Profile, num: int = DEFAULT_SLICES) -> Profile:
 
 def _slices(half: BlockProfile, num: int, units: int, hidden: int) -> list[BlockProfile]:
     """The ``num`` slice blocks of ``half`` (module docstring)."""
-    out = []
-    for i, name in enumerate(slice_names(half.name, num)):
-        lo, hi = unit_range(i, num, units)
-        frac = (hi - lo) / units
+    return [block_part(half, *unit_range(i, num, units), units, name=name,
+                       output_bytes=half.output_bytes if i == num - 1
+                       else CROSSING_TENSORS * hidden)
+            for i, name in enumerate(slice_names(half.name, num))]
 
-        def part(total: int) -> int:  # rounded at both ends: the slices sum to ``total``
-            return round(total * hi / units) - round(total * lo / units)
 
-        out.append(dataclasses.replace(
-            half, name=name, fwd_ms=half.fwd_ms * frac, bwd_ms=half.bwd_ms * frac,
-            bwd_input_ms=half.bwd_input_ms * frac, bwd_weight_ms=half.bwd_weight_ms * frac,
-            activation_bytes=part(half.activation_bytes),
-            held_for_weight_bytes=part(half.held_for_weight_bytes),
-            adopted_grad_bytes=min(part(half.adopted_grad_bytes), part(half.transient_bytes)),
-            transient_bytes=part(half.transient_bytes),
-            output_bytes=half.output_bytes if i == num - 1 else CROSSING_TENSORS * hidden,
-            param_bytes=part(half.param_bytes), num_params=part(half.num_params),
-            measured=(), reused_from=None, modules=()))
-    return out
+def block_part(block: BlockProfile, lo: int, hi: int, total: int, *, name: str,
+               output_bytes: int, adopted: bool = True) -> BlockProfile:
+    """``block``'s share ``[lo, hi)`` of ``total`` units (a slice's, a head shard's): times,
+    activations, workspace and parameters by that fraction (integers rounded at both
+    ends, so the parts sum to the whole); ``adopted=False`` drops its adopted gradients."""
+    frac = (hi - lo) / total
+
+    def part(value: int) -> int:
+        return round(value * hi / total) - round(value * lo / total)
+
+    return dataclasses.replace(
+        block, name=name, fwd_ms=block.fwd_ms * frac, bwd_ms=block.bwd_ms * frac,
+        bwd_input_ms=block.bwd_input_ms * frac, bwd_weight_ms=block.bwd_weight_ms * frac,
+        activation_bytes=part(block.activation_bytes),
+        held_for_weight_bytes=part(block.held_for_weight_bytes),
+        adopted_grad_bytes=min(part(block.adopted_grad_bytes), part(block.transient_bytes))
+        if adopted else 0,
+        transient_bytes=part(block.transient_bytes), output_bytes=output_bytes,
+        param_bytes=part(block.param_bytes), num_params=part(block.num_params),
+        measured=(), reused_from=None, modules=())
