@@ -90,3 +90,27 @@ def test_family_with_cuts_inside_halves(tmp_path, model_type):
     sliding windows included)."""
     plans = {"1f1b": MLP_CUT, "1f1b:attention": ATTENTION_CUT}
     check_exact(run_ranks(_worker, 2, tmp_path, model_type, plans, False), plans, TOL)
+
+
+def _planned_worker(rank: int, world_size: int, plan) -> dict:
+    config = tiny_config("llama")
+    reference = reference_run(config)
+    aliases = {b: a for a, b in tied_parameters(
+        build_hf_model(config), discover_blocks(build_hf_model(config), granularity="sublayer"))}
+    return {"ref_loss": reference.loss, "ref_keys": sorted(reference.state),
+            "planned": exact_step(config, plan, reference, aliases, False)}
+
+
+@pytest.mark.timeout(240)
+def test_a_plan_from_the_planner_runs_exactly(tmp_path):
+    """``make_plan(granularity="slice")`` on a cpu profile: its slice names and stage
+    layout are what the runtime runs."""
+    from autopart.profile import profile_model
+    from autopart.solve import make_plan
+
+    profile = profile_model(build_hf_model(tiny_config("llama")), backend="cpu",
+                            granularity="quarter", seq_len=8, num_warmup=1, num_repeats=2)
+    plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     granularity="slice", cuts=["model.layers.1.mlp.slice2of4"])
+    assert plan.granularity == "sublayer" and plan.stages[0].shared_half_bytes > 0
+    check_exact(run_ranks(_planned_worker, 2, tmp_path, plan), {"planned": None}, TOL)

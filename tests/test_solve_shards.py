@@ -145,8 +145,9 @@ def test_a_shard_holds_its_rows_fraction_of_the_head_workspace():
 def test_a_stage_runs_its_shards_as_one_slice_and_returns_token_losses():
     """4 shards of a head with a 12,345-byte workspace (3,086 or 3,087 each, summing to
     12,345): a stage of the last three runs their rows as one slice, so its workspace is
-    12,345 - 3,086 = 9,259 bytes (not the largest shard's 3,087); the last stage holds per-position losses until its backward (mbs 1 x
-    seq - 1 float32), not the logits the whole head returns."""
+    12,345 - 3,086 = 9,259 bytes (not the largest shard's 3,087); the last stage holds
+    per-position losses until its backward (mbs 1 x seq - 1 float32), not the logits the
+    whole head returns."""
     profile = _splittable(rows=1000)
     profile = dataclasses.replace(
         profile, model=dataclasses.replace(profile.model, vocab_size=1000),
