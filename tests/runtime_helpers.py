@@ -111,10 +111,11 @@ def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
 
 
 def exact_step(config: Any, plan: Plan, reference: Any, aliases: dict[str, str],
-               recompute: bool) -> dict:
+               recompute: bool, grad_norm: bool = False) -> dict:
     """One training step of ``plan`` on this rank against the unpipelined ``reference``
     (``families.Reference``): the loss (``None`` off the loss stage), the
-    largest gradient difference and its parameter, and the state dict's keys."""
+    largest gradient difference and its parameter, and the state dict's keys; with
+    ``grad_norm``, the global gradient norm ``clip_grad_norm_`` reports too (collective)."""
     from autopart.intake.sources import build_hf_model
     from autopart.runtime import auto_pipeline
 
@@ -124,7 +125,8 @@ def exact_step(config: Any, plan: Plan, reference: Any, aliases: dict[str, str],
     loss = pipe.step(reference.input_ids, target=reference.labels,
                      attention_mask=reference.mask)
     diffs = max_grad_diffs(pipe.named_parameters(), reference.grads, aliases)
-    return {"loss": None if loss is None else loss.item(),
+    norm = pipe.clip_grad_norm_(float("inf")).item() if grad_norm else None
+    return {"grad_norm": norm, "loss": None if loss is None else loss.item(),
             "max_grad_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get),
             "keys": sorted(pipe.state_dict())}
 

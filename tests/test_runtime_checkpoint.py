@@ -4,7 +4,8 @@ The unpipelined Llama's weights (saved with DCP) start a 2-rank pipeline; the
 pipeline's checkpoint loads into the unpipelined model and gives the logits of the
 per-rank state dicts merged, and the loss the pipeline saw; training resumed from
 it reproduces the uninterrupted loss curve. The same holds with the head split
-into two vocabulary shards on the two ranks (each holds the tied weight whole).
+into two vocabulary shards on the two ranks (each holds the tied weight whole), and
+with a cut inside layer 1's MLP (both ranks hold that half whole).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from families import init_real
 from runtime_helpers import make_stage_plan, padded_batch, run_ranks
 
 from autopart.intake import discover_blocks, load_model
+from autopart.intake.half_slices import slice_names
 from autopart.intake.head_split import shard_names
 from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
 
@@ -51,12 +53,18 @@ def _train(pipe, optimizer, batches, first_step: int, save_at: int | None = None
 
 
 def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: str,
-            split_head: bool) -> dict:
+            split: str) -> dict:
     chain = discover_blocks(load_model(SOURCE).model)
-    if split_head:  # rank 0: .. norm, lm_head.shard0of2; rank 1: lm_head.shard1of2
+    if split == "head":  # rank 0: .. norm, lm_head.shard0of2; rank 1: lm_head.shard1of2
         names = chain.names[:-1] + shard_names(chain.names[-1], 2)
         plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
                                names=names)
+    elif split == "half":  # rank 0: .. model.layers.1.mlp.slice0of4; rank 1: slice1of4 ..
+        chain = discover_blocks(load_model(SOURCE).model, granularity="sublayer")
+        half = "model.layers.1.mlp"
+        names = [s for n in chain.names for s in (slice_names(n, 4) if n == half else [n])]
+        plan = make_stage_plan(chain, [5, 9], schedule="1f1b", pp_size=2, num_microbatches=2,
+                               names=names, granularity="sublayer")
     else:
         plan = make_stage_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
     batches = _batches()
@@ -73,8 +81,8 @@ def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: st
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("split_head", [False, True])
-def test_checkpoint_round_trip_and_resume(tmp_path, split_head):
+@pytest.mark.parametrize("split", ["none", "head", "half"])
+def test_checkpoint_round_trip_and_resume(tmp_path, split):
     init_dir, ckpt_dir, sd_dir = (tmp_path / d for d in ("init", "ckpt", "sd"))
     sd_dir.mkdir()
     reference = _real_model()
@@ -83,7 +91,7 @@ def test_checkpoint_round_trip_and_resume(tmp_path, split_head):
     ref_loss = reference(input_ids=input_ids, attention_mask=mask, labels=labels).loss.item()
 
     results = run_ranks(_worker, 2, tmp_path, str(init_dir), str(ckpt_dir), str(sd_dir),
-                        split_head)
+                        split)
     last = results[1]
     assert results[0]["full"][0] is None and last["step"] == 2
     assert abs(last["full"][0] - ref_loss) < 1e-5, "pipeline did not start from the HF weights"
