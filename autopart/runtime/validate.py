@@ -184,45 +184,49 @@ def check_half_slices(plan: Plan, chain: BlockChain, root: nn.Module, *,
             module does not split (``slice_rule``); K exceeds its units; tp above 1; or a
             value made by the model's code before the module crosses a cut inside it.
     """
-    ordered = sorted(plan.stages, key=lambda s: s.index)
     found: dict[str, list[tuple[str, int]]] = {}  # half -> [(slice name, stage index)]
-    for stage in ordered:
+    for stage in sorted(plan.stages, key=lambda s: s.index):
         for name in stage.modules:
             parsed = parse_slice(name)
             if parsed is not None:
                 found.setdefault(parsed[0], []).append((name, stage.index))
-    blocks = {b.name: b for b in chain.blocks}
     for half, listed in found.items():
-        names = [n for n, _ in listed]
-        num = parse_slice(names[0])[2]  # type: ignore[index]
-        if names != slice_names(half, num):
-            raise RuntimeSetupError(f"{where} lists slices {names[:4]} of {half}; expected "
-                                    f"{half}.slice0of{num} .. slice{num - 1}of{num} once each, "
-                                    f"in order; regenerate the plan")
-        block = blocks.get(half)
-        if block is None or not block.layer or half not in block.fqns:
-            kind = "no block" if block is None else f"a {block.kind} block"
-            raise RuntimeSetupError(f"{where} cuts {half} into slices, but it is {kind}, not "
-                                    f"the module of a decoder-layer half; make the plan from "
-                                    f"this model's sublayer profile")
-        rule, why = slice_rule(root.get_submodule(half))
-        if rule is None:
-            raise RuntimeSetupError(f"{where} cuts {half} into slices, but {why}; plan without "
-                                    f"slices of it")
-        if num > rule.units:
-            unit = "key/value heads" if rule.kind == "attention" else "intermediate columns"
-            raise RuntimeSetupError(f"{where} cuts {half} into {num} slices but it has only "
-                                    f"{rule.units} {unit}; regenerate the plan")
-        if plan.tp_size > 1:
-            raise RuntimeSetupError(f"{where} cuts {half} into slices and splits it over tp "
-                                    f"{plan.tp_size}; plan tensor parallelism without slices")
-        cut = len({stage for _, stage in listed}) > 1
-        call = chain.call_fqns.index(half)
-        if cut and (chain.trace is None or not chain.trace.carries
-                    or chain.trace.carries[call - 1] is None):
-            raise RuntimeSetupError(f"{where} cuts inside {half}, but a value made by the "
-                                    f"model's code before it (not an argument of an earlier "
-                                    f"block) crosses that cut; plan without slices of it")
+        _check_one_half(plan, chain, root, half, listed, where)
+
+
+def _check_one_half(plan: Plan, chain: BlockChain, root: nn.Module, half: str,
+                    listed: list[tuple[str, int]], where: str) -> None:
+    """``check_half_slices`` for one half, its slices listed as ``(name, stage index)``."""
+    names = [n for n, _ in listed]
+    num = parse_slice(names[0])[2]  # type: ignore[index]
+    if names != slice_names(half, num):
+        raise RuntimeSetupError(f"{where} lists slices {names[:4]} of {half}; expected "
+                                f"{half}.slice0of{num} .. slice{num - 1}of{num} once each, "
+                                f"in order; regenerate the plan")
+    block = {b.name: b for b in chain.blocks}.get(half)
+    if block is None or not block.layer or half not in block.fqns:
+        kind = "no block" if block is None else f"a {block.kind} block"
+        raise RuntimeSetupError(f"{where} cuts {half} into slices, but it is {kind}, not "
+                                f"the module of a decoder-layer half; make the plan from "
+                                f"this model's sublayer profile")
+    rule, why = slice_rule(root.get_submodule(half))
+    if rule is None:
+        raise RuntimeSetupError(f"{where} cuts {half} into slices, but {why}; plan without "
+                                f"slices of it")
+    if num > rule.units:
+        unit = "key/value heads" if rule.kind == "attention" else "intermediate columns"
+        raise RuntimeSetupError(f"{where} cuts {half} into {num} slices but it has only "
+                                f"{rule.units} {unit}; regenerate the plan")
+    if plan.tp_size > 1:
+        raise RuntimeSetupError(f"{where} cuts {half} into slices and splits it over tp "
+                                f"{plan.tp_size}; plan tensor parallelism without slices")
+    cut = len({stage for _, stage in listed}) > 1
+    call = chain.call_fqns.index(half)
+    if cut and (chain.trace is None or not chain.trace.carries
+                or chain.trace.carries[call - 1] is None):
+        raise RuntimeSetupError(f"{where} cuts inside {half}, but a value made by the "
+                                f"model's code before it (not an argument of an earlier "
+                                f"block) crosses that cut; plan without slices of it")
 
 
 def recompute_rule(mode: bool | str | None) -> Callable:
