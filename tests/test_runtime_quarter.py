@@ -64,8 +64,10 @@ def test_every_schedule_with_cuts_before_output_projections_llama(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_recomputed_quarters_train_exactly(tmp_path):
-    """Checkpointed stages (a stage ending inside a half checkpoints it up to the cut)."""
-    check_exact(run_ranks(_worker, 2, tmp_path, "llama", TWO, True, 19), TWO, TOL)
+    """Checkpointed stages (a stage ending inside a half checkpoints it up to the cut), also
+    under zero-bubble split backward (the residual sent is a checkpoint's saved input)."""
+    plans = {**TWO, "zbv": EVERY_SCHEDULE["zbv"]}
+    check_exact(run_ranks(_worker, 2, tmp_path, "llama", plans, True, 19), plans, TOL)
 
 
 @pytest.mark.timeout(240)

@@ -54,7 +54,8 @@ EVERY_SCHEDULE = {
     # MLP and ends inside the head
     "interleaved-1f1b:shards": [3, 2, 11, 1],
 }
-TWO = {"1f1b": MLP_CUT, "interleaved-1f1b": INSIDE}
+# zero-bubble W recomputes a checkpoint after torch detached the stage's outputs in place
+RECOMPUTED = {"1f1b": MLP_CUT, "interleaved-1f1b": INSIDE, "zbv": ACROSS}
 
 
 def sliced_names(chain) -> list[str]:
@@ -100,8 +101,9 @@ def test_every_schedule_with_cuts_inside_halves_llama(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_recomputed_slices_train_exactly(tmp_path):
-    """Checkpointed stages (a partial computation is checkpointed like its half)."""
-    check_slices(run_ranks(_worker, 2, tmp_path, "llama", TWO, True), TWO)
+    """Checkpointed stages (a partial computation is checkpointed like its half), also
+    under zero-bubble split backward."""
+    check_slices(run_ranks(_worker, 2, tmp_path, "llama", RECOMPUTED, True), RECOMPUTED)
 
 
 @pytest.mark.timeout(240)

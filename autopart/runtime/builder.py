@@ -148,7 +148,8 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     tp_grad_sum = apply_tensor_parallel(module, tp_plan, groups.tp_mesh) \
         if tp_plan is not None and groups.tp_mesh is not None else []
     stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
-                                        autocast_dtype=autocast_dtype)
+                                        autocast_dtype=autocast_dtype,
+                                        split_backward=info.split_backward)
     tied = _share_across_ranks(module, plan_obj, chain, groups, ties)
     token_loss = (HeadShardLoss() if split_head else TokenMeanLoss()) \
         if hf and loss_fn is None else None

@@ -81,7 +81,8 @@ class ForwardStage(Tree):
 
     def __init__(self, root: nn.Module, chain: BlockChain, block_names: list[str], *,
                  recompute: bool = False,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None,
+                 split_backward: bool = False) -> None:
         super().__init__()
         index = {b.name: i for i, b in enumerate(chain.blocks)}
         blocks = [chain.blocks[index[n]] for n in collapse_parts(block_names)]
@@ -128,6 +129,10 @@ class ForwardStage(Tree):
                               if recompute else set())
         self._checkpointed -= {c for p, c in self._split_at.items() if p in self._checkpointed}
         self._autocast_dtype = autocast_dtype
+        # torch's zero-bubble backward detaches stage outputs in place; a checkpoint that
+        # saved one as its input (P's input at a slice cut, the residual as the norm's
+        # input) could not recompute for W: every value sent is then a copy
+        self._copy_sent = split_backward and bool(self._checkpointed)
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         """Model inputs (first stage) or received tensors -> tensors to send, or the output."""
@@ -176,14 +181,17 @@ class ForwardStage(Tree):
                     out = plus_partial(received[-1], out)
                 if part.ends_inside:
                     raise StageExit(_sendable(self._stream_of(a, kw), (
-                        *swaps.swap(kept, {})[0], main_output(out)), received))
+                        *swaps.swap(kept, {})[0], main_output(out)), received,
+                        copy=self._copy_sent))
                 return out
             if idx == self._end_call:
-                raise StageExit(_sendable(self._stream_of(a, kw), swaps.swap(kept, {})[0]))
+                raise StageExit(_sendable(self._stream_of(a, kw), swaps.swap(kept, {})[0],
+                                          copy=self._copy_sent))
             if recompute and idx in self._checkpointed:
                 if self._split_at.get(idx) == self._end_call:
                     stream = checkpoint(self._until, original, idx, a, kw, use_reentrant=False)
-                    raise StageExit(_sendable(stream, swaps.swap(kept, {})[0]))
+                    raise StageExit(_sendable(stream, swaps.swap(kept, {})[0],
+                                              copy=self._copy_sent))
                 return checkpoint(original, *a, use_reentrant=False, **kw)
             return original(*a, **kw)
 
@@ -257,15 +265,15 @@ def _carried(chain: BlockChain, call: int) -> dict[int, list[tuple[int, int]]]:
 
 
 def _sendable(stream: tuple[torch.Tensor, ...], carried: tuple[torch.Tensor, ...],
-              received: tuple[torch.Tensor, ...] | None = None
+              received: tuple[torch.Tensor, ...] | None = None, *, copy: bool = False
               ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """What a stage sends: the next call's stream, then the carried values. torch's
     zero-bubble backward detaches stage outputs in place, which a view (HF heads read
     ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy, and so is a
     received tensor sent on (a stage inside one half passes ``P``'s input and the
-    residual through)."""
+    residual through); with ``copy`` every value is sent as a copy."""
     passed = {id(t) for t in received or ()}
-    values = tuple(t.clone() if t._is_view() or id(t) in passed else t
+    values = tuple(t.clone() if copy or t._is_view() or id(t) in passed else t
                    for t in (*stream, *carried))
     return values[0] if len(values) == 1 else values
 
@@ -276,10 +284,13 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
 
 def build_stage_modules(root: nn.Module, chain: BlockChain, stages: list[StagePlan], *,
                         recompute: Callable[[StagePlan], bool],
-                        autocast_dtype: torch.dtype | None) -> list[nn.Module]:
-    """One stage module per stage plan (already materialized blocks of ``root``)."""
+                        autocast_dtype: torch.dtype | None,
+                        split_backward: bool = False) -> list[nn.Module]:
+    """One stage module per stage plan (already materialized blocks of ``root``);
+    ``split_backward``: the schedule computes weight gradients apart (zero-bubble)."""
     return [ForwardStage(root, chain, list(stage.modules), recompute=recompute(stage),
-                         autocast_dtype=autocast_dtype) for stage in stages]
+                         autocast_dtype=autocast_dtype, split_backward=split_backward)
+            for stage in stages]
 
 
 def wrap_stages(modules: list[nn.Module], stages: list[StagePlan], num_stages: int,
