@@ -12,7 +12,6 @@ passed; otherwise a note says why not.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from autopart.intake import BlockChain
 from autopart.intake.half_slices import SliceRule, check_slices, slice_rule
+from autopart.profile.tasks import on_device
 
 __all__ = ["SliceChecks"]
 
@@ -66,7 +66,7 @@ class SliceChecks:
             return
         self._checked.add(key)
         module = materialize(original)
-        a, kw = tree_map_only(torch.Tensor, lambda t: _on(t, device), (args, kwargs))
+        a, kw = tree_map_only(torch.Tensor, lambda t: on_device(t, device), (args, kwargs))
         why = check_slices(module, rule, a, kw)
         if why:
             self._why[kind] = why
@@ -86,8 +86,3 @@ class SliceChecks:
 def _size(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
-
-def _on(t: torch.Tensor, device: torch.device) -> Any:
-    if device.type == "meta":
-        return t if t.is_meta else torch.empty_like(t, device="meta")
-    return t.detach().to(device)

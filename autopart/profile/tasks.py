@@ -29,7 +29,7 @@ from autopart.intake.blocks import example_inputs
 from autopart.intake.forward import intercept, leaf_paths, replace_leaves
 from autopart.intake.hf import causal_lm_loss
 
-__all__ = ["BlockTask", "ForwardRunner", "make_task"]
+__all__ = ["BlockTask", "ForwardRunner", "make_task", "on_device"]
 
 
 @dataclass(slots=True)
@@ -130,7 +130,7 @@ def make_task(chain: BlockChain, call_idx: int, module: nn.Module, args: tuple, 
         ProfileError: the call has no tensor argument to start from.
     """
     record = chain.call(call_idx)
-    args, kwargs = tree_map_only(torch.Tensor, lambda t: _on(t, device), (args, kwargs))
+    args, kwargs = tree_map_only(torch.Tensor, lambda t: on_device(t, device), (args, kwargs))
     leaves = leaf_paths(args, kwargs)
     positions = [i for i, slot in enumerate(record.stream) if slot == 0]
     if not positions:
@@ -164,7 +164,8 @@ def make_task(chain: BlockChain, call_idx: int, module: nn.Module, args: tuple, 
                      exclude=context, meta_task=on_meta, call=lambda: module(*args, **kwargs))
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy of ``t`` on ``device`` (an empty tensor of its shape on meta)."""
     if device.type == "meta":
         return torch.empty_like(t, device="meta")
     return t.detach().to(device)
