@@ -144,16 +144,12 @@ def faster_of_split_or_whole(plan_on: Callable[[Profile], Plan], profile: Profil
     """
     whole_profile = dataclasses.replace(
         profile, model=dataclasses.replace(profile.model, head_split_rows=0))
-    try:
-        split = plan_on(profile)
-    except InfeasibleError:
-        return plan_on(whole_profile)
-    try:
-        whole = plan_on(whole_profile)
-    except InfeasibleError:
+    split, whole = _both(lambda: plan_on(profile), lambda: plan_on(whole_profile))
+    if whole is None or (split is not None and
+                         split.predicted_step_ms < whole.predicted_step_ms):
         return split
-    if split.predicted_step_ms < whole.predicted_step_ms:
-        return split
+    if split is None:
+        return whole
     head = profile.blocks[-1].name
     return dataclasses.replace(whole, notes=(*whole.notes, (
         f"{head} kept whole: split into {num_shards(profile)} vocabulary shards the step is "
@@ -185,21 +181,31 @@ def faster_of_sliced_or_whole(plan_at: Callable[[Profile, str], Plan], profile: 
 
     whole_profile = dataclasses.replace(
         profile, model=dataclasses.replace(profile.model, slice_units={}))
-    try:
-        sliced = best(profile, "slice")
-    except InfeasibleError:
-        return best(whole_profile, "quarter")
-    try:
-        whole = best(whole_profile, "quarter")
-    except InfeasibleError:
+    sliced, whole = _both(lambda: best(profile, "slice"), lambda: best(whole_profile, "quarter"))
+    if whole is None or (sliced is not None and
+                         sliced.predicted_step_ms < (1 - SLICE_MARGIN) * whole.predicted_step_ms):
         return sliced
-    if sliced.predicted_step_ms < (1 - SLICE_MARGIN) * whole.predicted_step_ms:
-        return sliced
+    if sliced is None:
+        return whole
     return dataclasses.replace(whole, notes=(*whole.notes, (
         f"halves kept whole: with halves cut into slices the step is predicted "
         f"{sliced.predicted_step_ms:.1f} ms against {whole.predicted_step_ms:.1f} ms, not "
         f"{SLICE_MARGIN:.0%} faster (slice costs are the half's by unit fraction; "
         f"--granularity slice keeps them)")))
+
+
+def _both(finer: Callable[[], Plan], coarser: Callable[[], Plan]
+          ) -> tuple[Plan | None, Plan | None]:
+    """Both plans, ``None`` for one that does not fit; the coarser one alone is planned
+    (and raises ``InfeasibleError``) when the finer one does not fit."""
+    try:
+        fine = finer()
+    except InfeasibleError:
+        return None, coarser()
+    try:
+        return fine, coarser()
+    except InfeasibleError:
+        return fine, None
 
 
 def num_shards(profile: Profile) -> int:
