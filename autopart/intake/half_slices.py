@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopart.intake.head_split import parse_shard
+from autopart.intake.head_split import parse_part, parse_shard
 
 if TYPE_CHECKING:  # slice names are plain strings: planning must not import torch
     from torch import nn
@@ -54,13 +54,7 @@ def slice_names(half: str, num: int) -> list[str]:
 
 def parse_slice(name: str) -> tuple[str, int, int] | None:
     """``(half, idx, num)`` of a slice block name, or ``None`` for other names."""
-    match = _SLICE.match(name)
-    if match is None:
-        return None
-    idx, num = int(match["idx"]), int(match["num"])
-    if num < 2 or idx >= num:
-        return None
-    return match["half"], idx, num
+    return parse_part(_SLICE, name)
 
 
 def unit_range(idx: int, num: int, units: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # shard names are plain strings: planning must not import torch
     from torch import nn
 
-__all__ = ["collapse_shards", "head_split_refusal", "parse_shard", "shard_name",
+__all__ = ["collapse_shards", "head_split_refusal", "parse_part", "parse_shard", "shard_name",
            "shard_names", "vocab_range"]
 
 _SHARD = re.compile(r"^(?P<head>.+)\.shard(?P<idx>\d+)of(?P<num>\d+)$")
@@ -42,13 +42,20 @@ def shard_names(head: str, num_shards: int) -> list[str]:
 
 def parse_shard(name: str) -> tuple[str, int, int] | None:
     """``(head, idx, num_shards)`` of a shard block name, or ``None`` for other names."""
-    match = _SHARD.match(name)
+    return parse_part(_SHARD, name)
+
+
+def parse_part(pattern: re.Pattern[str], name: str) -> tuple[str, int, int] | None:
+    """``(block, idx, num)`` of a part name (``pattern``: groups ``idx``, ``num`` and the
+    block's first), or ``None`` when it does not match or ``idx`` is not in ``0..num-1``
+    with ``num >= 2``."""
+    match = pattern.match(name)
     if match is None:
         return None
     idx, num = int(match["idx"]), int(match["num"])
     if num < 2 or idx >= num:
         return None
-    return match["head"], idx, num
+    return match[1], idx, num
 
 
 def vocab_range(idx: int, num_shards: int, vocab_size: int) -> tuple[int, int]:
