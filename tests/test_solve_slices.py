@@ -138,3 +138,12 @@ def test_the_plan_table_shows_slices_as_ranges_and_whole_halves_as_layers():
     assert summarize_modules(["model.layers.3.mlp.slice3of4", "model.layers.4.self_attn",
                               "lm_head.shard0of4", "lm_head.shard1of4"]) == \
         "model.layers.3.mlp.slice3of4, model.layers.4.self_attn, lm_head.shard0-1of4"
+
+
+@pytest.mark.parametrize("cut", ["model.layers.2.mlp.slice1of99999",
+                                 "model.layers.9.mlp.slice1of4"])
+def test_cuts_naming_slices_that_do_not_exist_say_why(cut):
+    from autopart.errors import PlanError
+
+    with pytest.raises(PlanError, match="half slices exist only where the profile offers"):
+        make_plan(halves_profile(), pp_size=2, schedule="1f1b", num_microbatches=4, cuts=[cut])

@@ -35,6 +35,7 @@ from autopart.solve.shards import (
     faster_of_split_or_whole,
     splits_head,
 )
+from autopart.solve.slices import MAX_SLICES
 from autopart.targets import planning_constraints
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
@@ -122,7 +123,7 @@ def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = 
         InfeasibleError: Nothing fits; the message names the memory that would fit.
     """
     args = {k: v for k, v in locals().items() if k not in ("profile", "setup_fields")}
-    slice_counts = {parse_slice(c)[2] for c in cuts or () if parse_slice(c)}
+    slice_counts = {min(parse_slice(c)[2], MAX_SLICES) for c in cuts or () if parse_slice(c)}
     if granularity == "auto" and slice_counts:
         granularity = "slice"  # --cuts model.layers.3.mlp.slice1of4: 4 slices per half
     if granularity == "auto" and cuts is None and target is None:

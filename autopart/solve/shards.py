@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 from autopart.errors import InfeasibleError, PlanError
 from autopart.granularity import fuse_layers, fuse_quarters
+from autopart.intake.half_slices import parse_slice
 from autopart.intake.head_split import parse_shard, shard_names, vocab_range
 from autopart.schema import Plan, Profile
 from autopart.solve.slices import DEFAULT_SLICES, block_part, slice_halves
@@ -247,7 +248,10 @@ def cut_bounds(profile: Profile, cuts: Sequence[str], pp_size: int,
     for cut in cuts:
         if cut not in index:
             hint = ("; head shards exist only at --granularity auto or sublayer, and all "
-                    "shard names must agree on K" if parse_shard(cut) else "")
+                    "shard names must agree on K" if parse_shard(cut) else
+                    "; half slices exist only where the profile offers them (slice_units), "
+                    "of <= 64 and at most the half's units, and all slice names must agree "
+                    "on K (attention halves get min(K, KV heads))" if parse_slice(cut) else "")
             raise PlanError(f"--cuts names {cut!r}, which is not a block of the profile "
                             f"(blocks: {names[0]} .. {names[-1]}){hint}; use block names "
                             f"from `autopart plan` or the profile")

@@ -22,11 +22,13 @@ import dataclasses
 from autopart.intake.half_slices import slice_names, unit_range
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["CROSSING_TENSORS", "DEFAULT_SLICES", "block_part", "slice_halves"]
+__all__ = ["CROSSING_TENSORS", "DEFAULT_SLICES", "MAX_SLICES", "block_part", "slice_halves"]
 
 DEFAULT_SLICES = 4
 """Slices per half: a quarter of a half is finer than the quarter split's coarsest part
 (the MLP up to its output projection, over half a layer)."""
+MAX_SLICES = 64
+"""The most slices per half ``--cuts`` may ask for."""
 CROSSING_TENSORS = 3
 """Hidden-state tensors crossing a cut inside a half: input, residual, partial sum."""
 
