@@ -40,9 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.intake.head_split import parse_shard
+from autopart.held import HeldWhole, held_whole
 from autopart.schema import DTYPE_BYTES, Profile, RuntimeOverhead, TrainingSetup
-from autopart.shared_weights import half_span, shared_half, span_sum, tied_params
 
 __all__ = [
     "BlockArrays",
@@ -75,22 +74,17 @@ class StageCost:
     transient_bytes: int
     param_count: int
     recompute: bool = False
-    tied_static_bytes: int = 0
-    """Static bytes of the weight held whole by every rank holding part of it (the
-    tied embedding/head weight, a head split by vocabulary), if this stage holds part."""
-    tied_part_bytes: int = 0
-    """The part of ``static_bytes`` that is that weight (a shard's rows, or the tied
-    weight once per owning block); ``rank_cost.rank_static_bytes`` counts the whole once instead."""
+    held: tuple[tuple[str, int], ...] = ()
+    """``(module, static bytes)`` of every module this stage holds whole while holding only
+    part of it (``autopart.held``: a tied weight, the head cut by vocabulary, a half cut
+    by units), so another stage holds it too; included in ``static_bytes``, counted once
+    per rank, its gradient summed over the ranks holding it."""
     held_for_weight_bytes: int = 0
     """Split-backward schedules: bytes a microbatch holds from its B until its W on top
     of ``activation_bytes`` (module docstring; negative when B frees more than it keeps)."""
     adopted_grad_bytes: int = 0
     """The part of ``transient_bytes`` that is weight gradients: paid only by the stage's
     weight-gradient backwards after its first in a step (module docstring)."""
-    shared_half_bytes: int = 0
-    """Static bytes of the layer half the stage ends inside (cut between two of its
-    slices, ``autopart.solve.slices``): held whole by this stage and the next, whose
-    gradients are summed after the step."""
 
     @property
     def bwd_ms(self) -> float:
@@ -166,15 +160,18 @@ class BlockArrays:
     prefix_recompute_fwd: np.ndarray
     """Prefix of the forward time recomputation repeats (checkpointed blocks)."""
     prefix_num_params: np.ndarray
-    tied_part_bytes: np.ndarray | None = None
-    """Per block, static bytes of its part of the weight held whole on several ranks
-    (the tied embedding/head weight, a split head's rows; None: nothing shared)."""
-    tied_whole_bytes: int = 0
-    """Static bytes of that whole weight."""
+    held: HeldWhole | None = None
+    """The modules held whole by every stage holding part of them (``autopart.held``)."""
+    held_static_bytes: np.ndarray | None = None
+    """Per held group, the static bytes of its whole module."""
+    prefix_own_static: np.ndarray | None = None
+    """Prefix of the blocks' static bytes less their held groups' share."""
+    prefix_own_params: np.ndarray | None = None
+    """Prefix of the blocks' parameters less their held groups' share."""
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
-    shard_blocks: np.ndarray | None = None
-    """Per block, whether it is a vocabulary shard of the head (None: no shards)."""
+    vocab_parts: np.ndarray | None = None
+    """Per block, whether it is a vocabulary part of the head (None: the head is whole)."""
     head_grad_fwd_ms: float = 0.0
     """F time a stage with shards adds per microbatch: the dense gradient of the head
     weight its shards add their rows into is zero-filled once per step, in the first
@@ -185,9 +182,6 @@ class BlockArrays:
     """Prefix of the blocks' ``held_for_weight_bytes`` (None: all zero)."""
     adopted_grad_bytes: np.ndarray | None = None
     """Per block, the weight gradients in its workspace (None: all zero)."""
-    half_span: tuple[np.ndarray, np.ndarray] | None = None
-    """Per block, the first and last block of the layer half it is a slice of (itself
-    for other blocks; None: no slices): a stage holds its end halves whole."""
 
     @property
     def num_blocks(self) -> int:
@@ -213,8 +207,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
     bwd_w = np.array([b.bwd_weight_ms for b in blocks], dtype=np.float64)
     num_params = np.array([b.num_params for b in blocks], dtype=np.int64)
     static = np.round(num_params * per_param).astype(np.int64)
-    tied_part, tied_whole = tied_params(profile)
-    tied = np.round(tied_part * per_param).astype(np.int64)
+    whole = held_whole(profile)
     act = np.array([b.activation_bytes for b in blocks], dtype=np.int64)
     out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
     transient = np.array([b.transient_bytes for b in blocks], dtype=np.int64)
@@ -233,16 +226,41 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_bwd_weight=prefix(bwd_w), prefix_static=prefix(static),
         prefix_activation=prefix(act), checkpointed=ckpt, held_output_bytes=held,
         prefix_kept=prefix(kept), prefix_recompute_fwd=prefix(np.where(ckpt, fwd, 0.0)),
-        prefix_num_params=prefix(num_params), tied_part_bytes=tied,
-        tied_whole_bytes=round(tied_whole * per_param), overhead=setup.runtime_overhead,
+        prefix_num_params=prefix(num_params), overhead=setup.runtime_overhead,
         glue_fwd_ms=profile.setup.glue_fwd_ms,
-        shard_blocks=np.array([parse_shard(b.name) is not None for b in blocks], dtype=bool),
+        **_held_arrays(whole, static, num_params, per_param),
+        vocab_parts=_vocab_parts(profile),
         head_grad_fwd_ms=profile.setup.head_grad_ms / max(setup.num_microbatches, 1),
         prefix_held_for_weight=prefix(np.array([b.held_for_weight_bytes for b in blocks],
                                                dtype=np.int64)),
         adopted_grad_bytes=np.array([b.adopted_grad_bytes for b in blocks], dtype=np.int64),
-        half_span=half_span([b.name for b in blocks]),
     )
+
+
+def _held_arrays(held: HeldWhole | None, static: np.ndarray, num_params: np.ndarray,
+                 per_param: float) -> dict:
+    """``BlockArrays``' held-whole fields: each group's whole static bytes (a cut-up
+    module's parts' static bytes summed, so a stage extended to the module's ends holds
+    exactly that; at least the whole weight's), and the blocks' static bytes and
+    parameters outside their group."""
+    if held is None:
+        return {}
+    in_group = held.group_of >= 0
+    cut = np.zeros(len(static), dtype=bool) if held.span is None else held.span[1] > held.span[0]
+    part_static = np.where(cut, static, np.round(held.part_params * per_param)).astype(np.int64)
+    part_static = np.where(in_group, part_static, 0)
+    whole = np.array([max(int(static[(held.group_of == g) & cut].sum()), round(int(w) * per_param))
+                      for g, w in enumerate(held.whole_params)], dtype=np.int64)
+    own_params = num_params - np.where(in_group, held.part_params, 0)
+    return {"held": held, "held_static_bytes": whole,
+            "prefix_own_static": np.concatenate([[0], np.cumsum(static - part_static)]),
+            "prefix_own_params": np.concatenate([[0], np.cumsum(own_params)])}
+
+
+def _vocab_parts(profile: Profile) -> np.ndarray | None:
+    parts = np.array([bool(b.parts) and b.parts[-1].axis == "vocab" for b in profile.blocks],
+                     dtype=bool)
+    return parts if parts.any() else None
 
 
 
@@ -258,7 +276,7 @@ def _held_final_output(profile: Profile) -> int:
     last = profile.blocks[-1]
     vocab = profile.model.vocab_size
     setup = profile.setup
-    if parse_shard(last.name) is not None:
+    if last.parts and last.parts[-1].axis == "vocab":
         return setup.micro_batch_size * max(setup.seq_len - 1, 1) * 4
     if last.kind != "head" or vocab <= 0:
         return last.output_bytes
@@ -303,25 +321,41 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         first_keeps = arrays.activation_bytes[first]
     act += int(arrays.held_output_bytes[last]) - min(input_bytes, int(first_keeps))
     last_block = arrays.num_blocks - 1
-    tied_whole, tied_part = _stage_tied(arrays, first, last)
+    static, params, held = _stage_static(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
         fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms + _head_grad_fwd_ms(arrays, first, last),
         bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
-        static_bytes=span_sum(arrays.half_span, arrays.prefix_static, first, last),
+        static_bytes=static,
         activation_bytes=act,
         input_bytes=input_bytes,
         output_bytes=int(arrays.output_bytes[last]) if last < last_block else 0,
         transient_bytes=transient,
-        param_count=span_sum(arrays.half_span, arrays.prefix_num_params, first, last),
+        param_count=params,
         recompute=recompute,
-        tied_static_bytes=tied_whole,
-        tied_part_bytes=tied_part,
+        held=held,
         held_for_weight_bytes=_held_for_weight(arrays, first, last),
         adopted_grad_bytes=adopted,
-        shared_half_bytes=shared_half(arrays.half_span, arrays.prefix_static, last),
     )
+
+
+def _stage_static(arrays: BlockArrays, first: int, last: int
+                  ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    """Static bytes and parameters of a stage, and the modules it holds whole
+    (``autopart.held``): its blocks' own share, plus each held group's whole."""
+    held = arrays.held
+    if held is None:
+        return (int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),
+                int(arrays.prefix_num_params[last + 1] - arrays.prefix_num_params[first]), ())
+    groups = held.groups_in(first, last)
+    static = int(arrays.prefix_own_static[last + 1] - arrays.prefix_own_static[first])
+    params = int(arrays.prefix_own_params[last + 1] - arrays.prefix_own_params[first])
+    whole = arrays.held_static_bytes
+    static += sum(int(whole[g]) for g, _ in groups)
+    params += sum(int(held.whole_params[g]) for g, _ in groups)
+    return static, params, tuple((held.keys[g], int(whole[g])) for g, shared in groups
+                                 if shared)
 
 
 
@@ -337,20 +371,12 @@ def _held_for_weight(arrays: BlockArrays, first: int, last: int) -> int:
     return kept
 
 
-def _stage_tied(arrays: BlockArrays, first: int, last: int) -> tuple[int, int]:
-    """(the shared weight's whole static bytes if the stage holds part of it, that part)."""
-    if arrays.tied_part_bytes is None:
-        return 0, 0
-    part = int(arrays.tied_part_bytes[first:last + 1].sum())
-    return (arrays.tied_whole_bytes if part else 0), part
-
-
 def _head_grad_fwd_ms(arrays: BlockArrays, first: int, last: int) -> float:
     """The head gradient's zero-fill per microbatch, if the stage holds vocabulary shards.
 
     The runtime creates one dense gradient per rank and step (``autopart.runtime.
     head_shards``); a rank with shards in two stages is charged it twice."""
-    shards = arrays.shard_blocks
+    shards = arrays.vocab_parts
     held = shards is not None and bool(shards[first:last + 1].any())
     return arrays.head_grad_fwd_ms if held else 0.0
 
@@ -379,7 +405,7 @@ def _stage_workspace(arrays: BlockArrays, work: np.ndarray, first: int, last: in
     their workspaces add up, at the last shard.
     """
     work = work[first:last + 1]
-    shards = None if arrays.shard_blocks is None else arrays.shard_blocks[first:last + 1]
+    shards = None if arrays.vocab_parts is None else arrays.vocab_parts[first:last + 1]
     if shards is not None and shards.any():
         where = np.flatnonzero(shards)
         work = work.copy()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from autopart.errors import PlanError
-from autopart.granularity import fuse_layers
+from autopart.levels import coarsen
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, Profile
 from autopart.targets import TARGETS, planning_constraints
@@ -196,7 +196,7 @@ def export_plan(plan: Plan, profile: Profile, fmt: str, *, module_names: str = "
         PlanError: An unknown format or ``module_names``, a plan the tool cannot
             run, or a model torchtitan's names cannot describe.
     """
-    profile = fuse_layers(profile)  # exports name whole layers (make_plan fused it too)
+    profile = coarsen(profile, "layer", head=False)  # exports name whole layers, as planned
     planning_constraints(fmt).check_plan(plan, profile)
     if module_names not in MODULE_NAMES:
         raise PlanError(f"unknown module_names {module_names!r}; choose one of "

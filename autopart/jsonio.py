@@ -29,13 +29,20 @@ class JsonFile:
     """Mixin for frozen dataclasses stored as JSON files (``Profile``, ``Plan``, reports).
 
     Subclasses set ``_json_what`` (the file kind, for messages), ``_json_remedy`` (the
-    command that regenerates the file) and, when theirs differs, ``_json_version``.
+    command that regenerates the file) and, when theirs differs, ``_json_version``; a
+    class whose files of an older version still load maps them with ``_json_upgrade``.
     """
 
     __slots__ = ()
     _json_what: ClassVar[str] = "autopart"
     _json_remedy: ClassVar[str] = "autopart"
     _json_version: ClassVar[int] = SCHEMA_VERSION
+
+    @classmethod
+    def _json_upgrade(cls, data: dict[str, Any], version: Any) -> dict[str, Any] | None:
+        """``data`` of an older ``schema_version`` in this version's shape, or ``None``
+        when that version cannot be read (the default)."""
+        return None
 
     def to_json(self) -> str:
         """Serialize to JSON text.
@@ -198,8 +205,13 @@ def _from_json_text(cls: type, text: str, source: str, what: str, remedy_cmd: st
     data = _parse_object(text, source, what, f"regenerate it with `{remedy_cmd}`")
     version = data.get("schema_version")
     if version != expected_version:
-        raise SchemaError(f"{source} has {what} schema_version {version!r}, this autopart reads "
-                          f"{expected_version}; regenerate it with `{remedy_cmd}`")
+        older = isinstance(version, int) and not isinstance(version, bool) \
+            and 0 < version < expected_version
+        upgraded = cls._json_upgrade(dict(data), version) if older else None
+        if upgraded is None:
+            raise SchemaError(f"{source} has {what} schema_version {version!r}, this autopart "
+                              f"reads {expected_version}; regenerate it with `{remedy_cmd}`")
+        data = {**upgraded, "schema_version": expected_version}
     return _build(cls, data, source, "", remedy_cmd)
 
 

@@ -2,9 +2,9 @@
 
 ``autopart.cost`` prices one stage from its blocks; this module adds what only a
 rank or a whole step has: the static memory of a rank holding several stages (a
-shared weight counted once), torch's receive buffers, the runtime's fixed work per
-step, and the per-step sum of a weight held on several ranks. ``stage_costs_of_plan``
-rebuilds the stages' costs recorded in a plan.
+module held whole counted once), torch's receive buffers, the runtime's fixed work per
+step, and the per-step sum of the gradients of modules held on several ranks.
+``stage_costs_of_plan`` rebuilds the stages' costs recorded in a plan.
 """
 
 from __future__ import annotations
@@ -19,17 +19,21 @@ __all__ = ["rank_static_bytes", "recv_buffer_bytes", "shared_grad_sync_ms",
 
 
 def rank_static_bytes(costs: Sequence[StageCost], stages: Sequence[int]) -> int:
-    """Static bytes of a rank holding ``stages``: each stage's, the shared weight once.
+    """Static bytes of a rank holding ``stages``: each stage's, a module held whole once.
 
-    Torch shares one Parameter (and so one gradient and one optimizer state) between
-    the embedding and the head when both sit on the same rank, and the runtime holds a
-    head split by vocabulary whole on every rank with one of its shards.
+    Torch shares one Parameter (one gradient, one optimizer state) between the embedding
+    and the head when both sit on the same rank, and the runtime holds a module cut into
+    parts (the head by vocabulary, a half by units) whole once per rank
+    (``StageCost.held``, ``autopart.held``).
     """
-    whole = max((costs[s].tied_static_bytes for s in stages), default=0)
-    held = set(stages)
-    # a half cut between two stages of this rank (ZBV's turn) is held once
-    twice = sum(costs[s].shared_half_bytes for s in stages if s + 1 in held)
-    return sum(costs[s].static_bytes - costs[s].tied_part_bytes for s in stages) + whole - twice
+    total = sum(costs[s].static_bytes for s in stages)
+    seen: set[str] = set()
+    for s in stages:
+        for key, num_bytes in costs[s].held:
+            if key in seen:
+                total -= num_bytes
+            seen.add(key)
+    return total
 
 
 def recv_buffer_bytes(cost: StageCost, num_microbatches: int) -> int:
@@ -45,12 +49,14 @@ def step_overhead_ms(setup: TrainingSetup) -> float:
 
 def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
                         setup: TrainingSetup) -> float:
-    """The per-step sum of a shared weight's gradient over the ranks holding it.
+    """The per-step sum of the gradients of modules held whole on several ranks.
 
-    The runtime all-reduces the whole gradient of the weight held on several ranks (a
-    tied embedding/head, a head split by vocabulary) after the schedule, over the
-    pipeline link: a ring of ``n`` holders moves ``2 (n - 1) / n`` of its bytes per rank
-    in ``2 (n - 1)`` steps, each paying the link latency.
+    After the schedule the runtime all-reduces the whole gradient of every module held
+    on several ranks (a tied embedding/head, the head cut by vocabulary, a half cut by
+    units: ``StageCost.held``) over its holders, on the pipeline link: a ring of ``n``
+    holders moves ``2 (n - 1) / n`` of its bytes per rank in ``2 (n - 1)`` steps, each
+    paying the link latency. Rings of different modules run at the same time; a rank in
+    several does them one after another.
 
     Args:
         costs: Every stage's cost, in stage order.
@@ -58,12 +64,21 @@ def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
         setup: Its precision (gradient dtype) and link.
 
     Returns:
-        Milliseconds; 0 when the weight is held by one rank or there is none.
+        Milliseconds: the busiest rank's rings; 0 when no module is held on two ranks.
     """
-    holders = {r for c, r in zip(costs, stage_ranks) if c.tied_part_bytes > 0}
-    whole = max((c.tied_static_bytes for c in costs), default=0)
-    tied = _ring_ms(whole, len(holders), setup) if len(holders) > 1 and whole > 0 else 0.0
-    return tied + _half_sync_ms(costs, stage_ranks, setup)
+    holders: dict[str, set[int]] = {}
+    whole: dict[str, int] = {}
+    for cost, rank in zip(costs, stage_ranks):
+        for key, num_bytes in cost.held:
+            holders.setdefault(key, set()).add(rank)
+            whole[key] = max(whole.get(key, 0), num_bytes)
+    per_rank: dict[int, float] = {}
+    for key, ranks in holders.items():
+        if len(ranks) > 1 and whole[key] > 0:
+            ms = _ring_ms(whole[key], len(ranks), setup)
+            for rank in ranks:
+                per_rank[rank] = per_rank.get(rank, 0.0) + ms
+    return max(per_rank.values(), default=0.0)
 
 
 def _ring_ms(static_bytes: int, num: int, setup: TrainingSetup) -> float:
@@ -73,21 +88,6 @@ def _ring_ms(static_bytes: int, num: int, setup: TrainingSetup) -> float:
     return 2 * (num - 1) * setup.link_latency_ms + 1e3 * moved / setup.link_bandwidth_bytes_per_s
 
 
-def _half_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
-                  setup: TrainingSetup) -> float:
-    """The sums of the halves cut between stages of two ranks (``autopart.solve.slices``):
-    each pair of ranks sums its half's gradient, pairs at the same time; a rank in
-    several pairs does them one after another. The busiest rank's total."""
-    per_rank: dict[int, float] = {}
-    for s, cost in enumerate(costs[:-1]):
-        here, there = stage_ranks[s], stage_ranks[s + 1]
-        if cost.shared_half_bytes > 0 and here != there:
-            ms = _ring_ms(cost.shared_half_bytes, 2, setup)
-            per_rank[here] = per_rank.get(here, 0.0) + ms
-            per_rank[there] = per_rank.get(there, 0.0) + ms
-    return max(per_rank.values(), default=0.0)
-
-
 def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
     """Rebuild the StageCosts recorded in ``plan`` (to simulate a plan without its profile)."""
     return [StageCost(fwd_ms=s.fwd_ms, bwd_input_ms=s.bwd_input_ms,
@@ -95,9 +95,7 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       activation_bytes=s.activation_bytes, input_bytes=s.input_bytes,
                       output_bytes=s.output_bytes, transient_bytes=s.transient_bytes,
                       param_count=s.param_count, recompute=s.recompute,
-                      tied_static_bytes=s.tied_static_bytes,
-                      tied_part_bytes=s.tied_part_bytes,
+                      held=tuple((h.module, h.static_bytes) for h in s.held),
                       held_for_weight_bytes=s.held_for_weight_bytes,
-                      adopted_grad_bytes=s.adopted_grad_bytes,
-                      shared_half_bytes=s.shared_half_bytes)
+                      adopted_grad_bytes=s.adopted_grad_bytes)
             for s in plan.stages]

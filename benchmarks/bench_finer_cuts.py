@@ -1,49 +1,37 @@
-"""How close finer cuts get to perfect balance (analytical H100 profiles, no GPU needed).
+"""How close the default commands get to perfect balance (analytical H100, no GPU needed).
 
 Perfect balance for 1F1B is ``(m + p - 1) * sum(F + B) / p``: every rank busy the
-same time. For each model at seq 4096, bf16, pp 8, 1F1B, m 32, prints the
-simulated step of the anchors' rules (even = NxD/NeMo/Megatron, params =
-DeepSpeed, torchtitan) and of autopart's plan at whole-layer granularity, then
-autopart's plan with each decoder layer profiled as two blocks (``sublayer``:
-attention half, MLP half), as four (``quarter``: each half cut before its output
-projection, where the residual crosses beside the projection's input) and with each
-half cut inside its call into slices (``slice``: KV-head groups, MLP column groups;
-the half's input, the residual and the partial sum cross), each divided by its
-profile's perfect balance.
-Target: plan / perfect <= 1.03 at the finest granularity for the 7B-class rows;
-<= 1.10 for Llama-3.2-1B, whose 128k-vocabulary head is 1.76x an ideal stage, once
-the head is split by vocabulary (``+head`` rows: ``lm_head.shard<i>of<k>`` blocks).
-Halves and quarters do not reach it everywhere: the MLP up to its output projection
-is over half a layer, so interior stages still round to it (the 'best' column
-proves it); p2p transfers are
-simulated over the H100's links from profiles/devices.json, as ``autopart plan``
-does (the 'free links' column drops them, as the issue's figures did). 'slowest' is
-the plan's slowest stage (F+B) over the ideal ``sum(F+B) / p`` and 'best' the smallest
-slowest stage any split of the profiled blocks could have (exact, head whole): where
-they are equal, no plan over these blocks does better and only finer blocks can.
+same time. For each model at seq 4096, bf16, pp 8, 1F1B, m 32 it profiles as
+``autopart profile MODEL --backend analytical:h100`` does by default (the finest level
+found exact: each layer's halves cut before their output projection, halves that can be
+summed over units offered as slices, the head splittable by vocabulary) and plans as
+``autopart plan P --pp 8 --schedule 1f1b --microbatches 32`` does by default (every level,
+the head whole or split; the device's memory and links from the profile). No granularity
+is named anywhere. Beside it: the anchors' rules (even = NxD/NeMo/Megatron, params =
+DeepSpeed, torchtitan) and autopart's plan over whole layers with the head whole (the
+default profile fused back to layers, ``autopart.levels.coarsen``), each divided by the
+profile's perfect balance. 'free links' simulates the same splits with no p2p cost;
+'slowest' is the plan's slowest stage (F+B) over the ideal ``sum(F+B) / p`` and 'best'
+the smallest slowest stage any split of the whole-layer blocks could have (exact).
+Target: default plan / perfect <= 1.03 for the 7B-class rows, <= 1.10 for Llama-3.2-1B
+(its 128k-vocabulary head is 1.76x an ideal stage).
 
     python benchmarks/bench_finer_cuts.py
-
-Rows are ``Case`` entries in ``CASES``; each ``Split`` is one column set (a
-granularity and a way to profile/plan), so finer granularities add a ``Split``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
-from autopart.granularity import fuse_quarters
-from autopart.profile import load_device_spec, profile_model
-from autopart.schema import Profile
+from autopart.levels import coarsen
+from autopart.profile import profile_model
+from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
-from autopart.solve.slices import slice_halves
 
 PP, M, SEQ = 8, 32, 4096
-MEMORY_LIMIT = 80 * 2**30
-TARGET = 1.03
 
 
 def _gemma_7b() -> nn.Module:
@@ -61,21 +49,11 @@ def _gemma_7b() -> nn.Module:
 
 @dataclass(frozen=True)
 class Case:
-    """One model row: its name, how to get it, and the ratio it must reach."""
+    """One model row: its name, how to get it, and the ratio the default plan must reach."""
 
     name: str
     source: Callable[[], str | nn.Module]
-    target: float | None = TARGET
-    """Bound on the finest split's plan / perfect (None: shown, not checked)."""
-
-
-@dataclass(frozen=True)
-class Split:
-    """One granularity: how the model is profiled and planned."""
-
-    name: str
-    granularity: str
-    plan_options: dict = field(default_factory=dict)
+    target: float = 1.03
 
 
 CASES = [
@@ -84,18 +62,6 @@ CASES = [
     Case("Mistral-7B", lambda: "mistral-7b"),
     Case("Llama-3.2-1B", lambda: "llama-3.2-1b", target=1.10),
 ]
-SPLITS = [Split("layer", "layer", {"granularity": "layer"}),
-          Split("layer+head", "layer"),
-          Split("sublayer+head", "sublayer", {"granularity": "sublayer"}),
-          Split("quarter+head", "quarter", {"granularity": "quarter"}),
-          Split("slice+head", "sublayer", {"granularity": "slice"}),
-          Split("auto", "quarter")]
-"""Coarse to fine; the last one is checked against the case's target. ``layer``: whole
-layers and head; ``+head``: the head split into vocabulary shards (``lm_head.shard<i>of<k>``)
-beside whole layers, layer halves, quarters (each half cut before its output projection
-too, ``autopart.intake.inner``) or slices (each half cut inside its call into 4 KV-head
-or MLP-column groups, ``autopart.solve.slices``); ``auto``: what ``autopart plan`` does by
-default on a ``quarter`` profile (the faster of slices and quarters, head split or whole)."""
 
 
 def perfect_ms(profile: Profile) -> float:
@@ -104,14 +70,11 @@ def perfect_ms(profile: Profile) -> float:
     return (M + PP - 1) * total / PP
 
 
-def _plan(profile: Profile, split: Split, free_links: bool):
-    spec = load_device_spec("h100")
-    links = {"link_bandwidth_bytes_per_s": 1e18, "link_latency_ms": 0.0} if free_links else {
-        "link_bandwidth_bytes_per_s": spec.link_bandwidth_bytes_per_s,
-        "link_latency_ms": spec.link_latency_ms}
-    return make_plan(profile, pp_size=PP, schedule="1f1b", num_microbatches=M,
-                     memory_limit_bytes=MEMORY_LIMIT, param_dtype="bfloat16",
-                     grad_dtype="bfloat16", **links, **split.plan_options)
+def _plan(profile: Profile, free_links: bool, **options) -> Plan:
+    """The default plan (links from the profile's device, or free)."""
+    links = {"link_bandwidth_bytes_per_s": 1e18, "link_latency_ms": 0.0} if free_links else {}
+    return make_plan(profile, pp_size=PP, schedule="1f1b", num_microbatches=M, **links,
+                     **options)
 
 
 def best_max_stage_ms(profile: Profile, num_stages: int = PP) -> float:
@@ -129,47 +92,50 @@ def best_max_stage_ms(profile: Profile, num_stages: int = PP) -> float:
     return best[0]
 
 
-def plan_rows(case: Case, split: Split) -> list[tuple]:
-    """``(split name, step / perfect, same with free links, blocks per stage, plan's slowest
-    stage / ideal, best slowest stage / ideal)`` rows: the anchors' rules (first split
-    only), then autopart at ``split``."""
+def plan_rows(case: Case) -> list[tuple]:
+    """``(name, step / perfect, same with free links, blocks per stage, plan's slowest
+    stage / ideal, best slowest stage / ideal, chosen level)`` rows: the anchors' rules, the
+    whole-layer plan, the default plan."""
     profile = profile_model(case.source(), backend="analytical:h100", seq_len=SEQ,
-                            dtype="bfloat16", granularity=split.granularity)
+                            dtype="bfloat16")
+    layers = coarsen(profile, "layer", head=False)
     perfect = perfect_ms(profile)
-    plan, free = _plan(profile, split, False), _plan(profile, split, True)
-    rows = []
-    if split is SPLITS[0]:
-        rows = [(name, info.predicted_step_ms / perfect,
-                 free.baselines[name].predicted_step_ms / perfect, None, None, None)
-                for name, info in sorted(plan.baselines.items())]
-    sizes = [len(s.modules) for s in plan.stages]
     ideal = perfect / (M + PP - 1)
-    slowest = max(s.fwd_ms + s.bwd_ms for s in plan.stages)
-    planned = profile
-    if any(".slice" in m for s in plan.stages for m in s.modules):  # best over the slices
-        planned = slice_halves(fuse_quarters(profile))
-    return rows + [(f"autopart {split.name}", plan.predicted_step_ms / perfect,
-                    free.predicted_step_ms / perfect, sizes, slowest / ideal,
-                    best_max_stage_ms(planned) / ideal)]
+    rows = []
+    whole, whole_free = (_plan(layers, free, split_head=False) for free in (False, True))
+    for name, info in sorted(whole.baselines.items()):
+        rows.append((name, info.predicted_step_ms / perfect,
+                     whole_free.baselines[name].predicted_step_ms / perfect, None, None, None,
+                     ""))
+    best = best_max_stage_ms(layers) / ideal
+    for name, plan, free in (("autopart, whole layers", whole, whole_free),
+                             ("autopart default", *(_plan(profile, f) for f in (False, True)))):
+        sizes = [len(s.modules) for s in plan.stages]
+        slowest = max(s.fwd_ms + s.bwd_ms for s in plan.stages)
+        level = f"{plan.granularity}" + (f", head in {plan.head_shards}" if plan.head_shards
+                                         else "")
+        rows.append((name, plan.predicted_step_ms / perfect, free.predicted_step_ms / perfect,
+                     sizes, slowest / ideal, best if plan is whole else None, level))
+    return rows
 
 
 def main() -> None:
     """Profile, plan and print one line per (model, split)."""
-    print(f"pp {PP}, 1F1B, m {M}, seq {SEQ}, bf16, analytical H100, {MEMORY_LIMIT >> 30} GiB; "
+    print(f"pp {PP}, 1F1B, m {M}, seq {SEQ}, bf16, analytical H100 (its memory and links); "
           f"step/perfect = simulated step / ((m + p - 1) * sum(F+B) / p); 'free links' "
           f"simulates with no p2p cost; 'slowest' = the plan's slowest stage F+B / ideal "
-          f"(sum(F+B) / p), 'best' = the smallest slowest stage any split of the profiled "
-          f"blocks (head whole) can have / ideal")
-    print(f"{'model':<12} {'split':<22} {'step/perfect':>13} {'free links':>11} "
-          f"{'slowest':>8} {'best':>6}  blocks/stage")
+          f"(sum(F+B) / p), 'best' = the smallest slowest stage any split of whole layers "
+          f"and the whole head can have / ideal")
+    print(f"{'model':<12} {'split':<24} {'step/perfect':>13} {'free links':>11} "
+          f"{'slowest':>8} {'best':>6}  level / blocks per stage")
     failures = []
     for case in CASES:
-        for split in SPLITS:
-            for name, ratio, free, sizes, slowest, best in plan_rows(case, split):
-                extra = f"{slowest:>8.3f} {best:>6.3f}" if slowest else f"{'':>8} {'':>6}"
-                print(f"{case.name:<12} {name:<22} {ratio:>13.3f} {free:>11.3f} {extra}  "
-                      f"{sizes or ''}")
-        if case.target is not None and ratio > case.target + 1e-9:
+        for name, ratio, free, sizes, slowest, best, level in plan_rows(case):
+            extra = f"{slowest:>8.3f} " if slowest else f"{'':>8} "
+            extra += f"{best:>6.3f}" if best else f"{'':>6}"
+            print(f"{case.name:<12} {name:<24} {ratio:>13.3f} {free:>11.3f} {extra}  "
+                  f"{level + ' ' if level else ''}{sizes or ''}")
+        if ratio > case.target + 1e-9:
             failures.append(f"{case.name}: {ratio:.3f} > {case.target}")
     print("PASS" if not failures else "FAIL: " + "; ".join(failures))
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 
 from autopart.errors import AutopartError
-from autopart.intake.half_slices import parse_slice
-from autopart.intake.head_split import parse_shard
+from autopart.schema import Part
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
@@ -32,12 +32,14 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
 
 
-def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
-    """``[a.layers.0, a.layers.1, a.layers.2, b]`` -> ``a.layers.0-2, b``; head shards
-    ``lm_head.shard0of4 .. lm_head.shard2of4`` -> ``lm_head.shard0-2of4``, half slices
-    likewise (all of a half's slices: the half); a layer's consecutive halves
-    (``a.layers.0.self_attn, a.layers.0.mlp``) -> the layer."""
-    modules = _whole_layers(_summarize_parts(modules))
+def summarize_modules(modules: Sequence[str],
+                      parts: Mapping[str, tuple[Part, ...]] | None = None) -> str:
+    """A stage's blocks in a few words: ``[a.layers.0, a.layers.1, a.layers.2, b]`` ->
+    ``a.layers.0-2, b``. With the plan's ``parts``, every run of blocks that is all the parts
+    of a module's call is that module (a layer's halves: the layer; all of a half's slices:
+    the half; all of the head's shards: the head), and a run of some of a module's slices
+    or shards is a range (``lm_head.shard0-2of4``)."""
+    entries = _whole_modules([(m, tuple((parts or {}).get(m, ()))) for m in modules])
     out: list[str] = []
     run_prefix, run_start, run_end = None, None, None
 
@@ -46,7 +48,7 @@ def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
             out.append(f"{run_prefix}{run_start}" if run_start == run_end
                        else f"{run_prefix}{run_start}-{run_end}")
 
-    for name in modules:
+    for name in _part_ranges(entries):
         match = re.fullmatch(r"(.*\.)(\d+)", name)
         if match and match.group(1) == run_prefix and int(match.group(2)) == run_end + 1:
             run_end += 1
@@ -62,33 +64,42 @@ def summarize_modules(modules: list[str] | tuple[str, ...]) -> str:
     return ", ".join(out)
 
 
-def _summarize_parts(modules: list[str] | tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    runs: list[tuple] = []  # (block, first, last, num, word) per output slot, () for others
-    for name in modules:
-        shard = parse_shard(name)
-        parsed, word = (shard, "shard") if shard else (parse_slice(name), "slice")
-        if parsed and runs and runs[-1] and runs[-1][0] == parsed[0] \
-                and runs[-1][2] + 1 == parsed[1]:
-            block, first, _, num, _ = runs[-1]
-            runs[-1] = (block, first, parsed[1], num, word)
-            whole = word == "slice" and first == 0 and parsed[1] == num - 1
-            out[-1] = block if whole else f"{block}.{word}{first}-{parsed[1]}of{num}"
-            continue
-        runs.append((parsed[0], parsed[1], parsed[1], parsed[2], word) if parsed else ())
-        out.append(name)
-    return out
+Entry = tuple[str, tuple[Part, ...]]
 
 
-def _whole_layers(modules: list[str]) -> list[str]:
-    """Consecutive halves of one numbered layer (``x.3.self_attn, x.3.mlp``) -> ``x.3``."""
+def _whole_modules(entries: list[Entry]) -> list[Entry]:
+    """Runs that hold every part of a module's call, replaced by the module, innermost
+    first, until none is left."""
+    changed = True
+    while changed:
+        changed = False
+        for i, (_, parts) in enumerate(entries):
+            if not parts or parts[-1].index != 0:
+                continue
+            last = parts[-1]
+            run = entries[i:i + last.count]
+            if len(run) == last.count and all(
+                    p[:-1] == parts[:-1] and p and (p[-1].module, p[-1].axis, p[-1].index)
+                    == (last.module, last.axis, k) for k, (_, p) in enumerate(run)):
+                entries = [*entries[:i], (last.module, parts[:-1]), *entries[i + last.count:]]
+                changed = True
+                break
+    return entries
+
+
+def _part_ranges(entries: list[Entry]) -> list[str]:
+    """Names, consecutive slices or shards of one module as ``module.slice1-3of4``."""
     out: list[str] = []
-    parents: list[str] = []
-    for name in modules:
-        parent = name.rpartition(".")[0]
-        if parent and re.fullmatch(r".*\.\d+", parent) and parents and parents[-1] == parent:
-            out[-1] = parent
+    runs: list[tuple[Part, int] | None] = []  # (first part, last index) per output slot
+    for name, parts in entries:
+        part = parts[-1] if parts and parts[-1].derived else None
+        prev = runs[-1] if runs else None
+        if part and prev and (prev[0].module, prev[0].axis) == (part.module, part.axis) \
+                and prev[1] + 1 == part.index:
+            runs[-1] = (prev[0], part.index)
+            word = "slice" if part.axis == "units" else "shard"
+            out[-1] = f"{part.module}.{word}{prev[0].index}-{part.index}of{part.count}"
             continue
-        parents.append(parent)
+        runs.append((part, part.index) if part else None)
         out.append(name)
     return out

@@ -1,16 +1,11 @@
-"""``autopart plan --devices N``: flags to ``plan_mesh`` arguments, and the mesh table."""
+"""``autopart plan --devices N``: size flags, and the mesh table."""
 
 from __future__ import annotations
-
-import argparse
 
 from rich.console import Console
 from rich.table import Table
 
 from autopart.errors import PlanError
-from autopart.profile import load_device_spec
-from autopart.profile.tp_shard import profile_tp_shard
-from autopart.schema import Profile
 from autopart.solve.mesh import MeshResult
 
 from ._format import gib
@@ -26,19 +21,6 @@ def parse_size(value: str | None, flag: str) -> int | str:
     if not value.isdigit() or int(value) < 1:
         raise PlanError(f"{flag} must be auto or a positive integer, got {value!r}")
     return int(value)
-
-
-def mesh_kwargs(args: argparse.Namespace, device: str | None, profile: Profile) -> dict:
-    """The mesh arguments of ``plan_mesh`` from the command line; analytical profiles get
-    their TP shards profiled analytically (``profile_tp_shard``)."""
-    if device is None:
-        raise PlanError("--devices needs the device's node size and links: pass --device "
-                        "(h100, trn1, ...) or use an analytical profile")
-    return {"devices": args.devices, "spec": load_device_spec(device),
-            "tp": parse_size(args.tp, "--tp"), "pp": parse_size(args.pp, "--pp"),
-            "dp": parse_size(args.dp, "--dp"), "zero_stage": args.zero,
-            "sequence_parallel": args.sequence_parallel == "on",
-            "shard_of": lambda tp: profile_tp_shard(profile, tp)}
 
 
 def print_mesh_table(result: MeshResult, console: Console) -> None:

@@ -18,16 +18,15 @@ from autopart.cost import static_bytes_per_param
 from autopart.errors import PlanError
 from autopart.export import FORMATS, MODULE_NAMES, export_plan
 from autopart.jsonio import check_writable
-from autopart.profile import load_device_spec, parse_backend
 from autopart.schedules import SCHEDULES
-from autopart.schema import PRECISIONS, Plan, Profile, default_precision
+from autopart.schema import PRECISIONS, Plan, Profile
 from autopart.simulate import simulate_plan, write_trace
-from autopart.solve import PARTITIONS, SOLVERS, make_plan
+from autopart.solve import PARTITIONS, SOLVERS, PlanOptions, make_plan
 from autopart.solve.mesh import plan_mesh
-from autopart.solve.shards import GRANULARITY_CHOICES
+from autopart.solve.options import DEVICE, GRANULARITY_CHOICES
 
 from ._format import gib, parse_bytes, summarize_modules
-from ._mesh import mesh_kwargs, print_mesh_table
+from ._mesh import parse_size, print_mesh_table
 from ._progress import progress_bar
 
 
@@ -60,8 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     batch.add_argument("--microbatches", type=int, default=None, metavar="M",
                        help="fix the number of microbatches (default: 4 x pp)")
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
-                   help="per-device memory, e.g. 80GiB (default: the device's capacity for "
-                        "--device or analytical profiles, else unlimited)")
+                   help="per-device memory, e.g. 80GiB, or 'none' for unlimited (default: "
+                        "the capacity of --device or of the profile's device: the analytical "
+                        "spec, the GPU's memory, the CPU machine's RAM)")
     p.add_argument("--device", default=None,
                    help="device spec (h100, h200, a100, trn1, trn2) for memory and link defaults")
     p.add_argument("--schedule", default="auto", choices=["auto", *SCHEDULES])
@@ -80,15 +80,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-recompute", action="store_true",
                    help="never use activation recomputation to fit memory")
     p.add_argument("--granularity", default="auto", choices=GRANULARITY_CHOICES,
-                   help="auto: the finest blocks the runtime runs, the head split into "
-                        "vocabulary shards (lm_head.shard<i>of<k>) and layer halves cut "
-                        "inside their call where faster (slice: always, "
-                        "model.layers.3.mlp.slice1of4); quarter, sublayer: halves cut "
-                        "before their output projection, or whole; layer: whole blocks "
-                        "(exports such as nxd and megatron always plan at layer)")
-    p.add_argument("--cuts", default=None, metavar="FQN,...",
-                   help="evaluate this split instead of searching: the last block of every "
-                        "stage but the final one, pp * v - 1 names in model order")
+                   metavar="{auto,layer,half,projection,slice}",
+                   help="auto (default): every level the profile offers, each with the head "
+                        "whole or cut into vocabulary shards (lm_head.shard<i>of<k>), the "
+                        "fastest plan; or one level: layer (whole decoder layers), half "
+                        "(attention and MLP halves), projection (halves cut before their "
+                        "output projection too), slice (halves cut by KV-head groups or MLP "
+                        "columns: model.layers.3.mlp.slice1of4). Exports such as nxd and "
+                        "megatron always plan at layer")
+    p.add_argument("--head", default="auto", choices=["auto", "split", "whole"],
+                   help="the head cut into vocabulary shards where faster (auto), where it "
+                        "can be (split), or never (whole)")
+    p.add_argument("--cuts", default=None, metavar="NAME,...",
+                   help="evaluate this split instead of searching: pp * v - 1 cut points in "
+                        "model order, each the name of any module that ends there "
+                        "(model.layers.7, model.layers.7.self_attn, lm_head.shard1of4)")
     p.add_argument("--format", default="table", choices=["table", "json", *FORMATS])
     p.add_argument("--module-names", default="native", choices=MODULE_NAMES,
                    help="--format torchtitan: native = torchtitan's own Transformer "
@@ -103,14 +109,14 @@ def run(args: argparse.Namespace) -> int:
         if path:
             check_writable(path)
     profile = Profile.load(args.profile)
-    kwargs = _plan_kwargs(args, profile)
+    options = plan_options(args)
     mesh = None
     with progress_bar("searching") as progress:
-        if args.devices is not None:
-            mesh = plan_mesh(profile, progress=progress, **kwargs)
+        if options.devices is not None:
+            mesh = plan_mesh(profile, options, progress=progress)
             plan = mesh.plan
         else:
-            plan = make_plan(profile, progress=progress, **kwargs)
+            plan = make_plan(profile, options, progress=progress)
     if args.out:
         plan.save(args.out)
     if args.trace:
@@ -130,61 +136,50 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
-    if args.devices is None:
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The command line's flags as ``PlanOptions`` (the library fills in the defaults)."""
+    mesh = args.devices is not None
+    if not mesh:
         if args.pp is None:
             raise PlanError("give --pp N, or --devices N to plan the tp x pp x dp mesh")
         if args.tp != "auto" or args.dp != "auto" or args.zero or \
                 args.sequence_parallel != "on":
             raise PlanError("--tp, --dp, --zero and --sequence-parallel need --devices N "
                             "(the number of devices)")
-        if not args.pp.isdigit() or int(args.pp) < 1:
-            raise PlanError(f"--pp must be >= 1, got {args.pp}")
-    virtual = args.virtual_stages
-    if virtual != "auto":
-        if not virtual.isdigit() or int(virtual) < 1:
-            raise PlanError(f"--virtual-stages must be auto or a positive integer, got {virtual!r}")
-        virtual = int(virtual)
-    device = args.device or parse_backend(profile.setup.backend).device
-    spec = load_device_spec(device) if device else None
-    limit = parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
-    if limit is None and spec is not None:
-        limit = spec.memory_bytes
-    setup = {"optimizer": args.optimizer,
-             "precision": args.precision or default_precision(profile.setup.dtype)}
-    if args.link_bandwidth is not None:
-        setup["link_bandwidth_bytes_per_s"] = args.link_bandwidth * 1e9
-    elif spec is not None:
-        setup["link_bandwidth_bytes_per_s"] = spec.link_bandwidth_bytes_per_s
-    if args.link_latency_ms is not None:
-        setup["link_latency_ms"] = args.link_latency_ms
-    elif spec is not None:
-        setup["link_latency_ms"] = spec.link_latency_ms
-    common = {"num_microbatches": args.microbatches,
-              "global_batch_size": args.global_batch_size, "schedule": args.schedule,
-              "target": args.format if args.format in FORMATS else None,
-              "virtual_stages": virtual, "partition": args.partition, "solver": args.solver,
-              "memory_limit_bytes": limit, "allow_recompute": not args.no_recompute,
-              "granularity": args.granularity, **setup}
-    if args.cuts is not None:
-        if args.devices is not None:
-            raise PlanError("--cuts fixes one pipeline's split: give it with --pp, not --devices")
-        common["cuts"] = _parse_cuts(args.cuts)
-    if args.devices is not None:
-        if args.link_bandwidth is not None or args.link_latency_ms is not None:
-            raise PlanError("--link-bandwidth and --link-latency-ms apply to --pp alone; with "
-                            "--devices the intra- and inter-node links come from "
-                            "profiles/devices.json")
-        for key in ("link_bandwidth_bytes_per_s", "link_latency_ms"):
-            common.pop(key, None)  # the mesh picks intra- or inter-node links itself
-        return {**common, **mesh_kwargs(args, device, profile)}
-    return {"pp_size": int(args.pp), **common}
+    elif args.link_bandwidth is not None or args.link_latency_ms is not None:
+        raise PlanError("--link-bandwidth and --link-latency-ms apply to --pp alone; with "
+                        "--devices the intra- and inter-node links come from "
+                        "profiles/devices.json")
+    limit: int | str | None = DEVICE
+    if args.memory_limit is not None:
+        limit = None if args.memory_limit.strip().lower() in ("none", "unlimited") else \
+            parse_bytes(args.memory_limit, "--memory-limit")
+    return PlanOptions(
+        pp_size=_size(parse_size(args.pp, "--pp")), devices=args.devices,
+        tp_size=parse_size(args.tp, "--tp"), dp_size=parse_size(args.dp, "--dp"),
+        zero_stage=args.zero, sequence_parallel=args.sequence_parallel == "on",
+        num_microbatches=args.microbatches, global_batch_size=args.global_batch_size,
+        schedule=args.schedule, virtual_stages=parse_size(args.virtual_stages,
+                                                          "--virtual-stages"),
+        granularity=args.granularity,
+        split_head={"auto": None, "split": True, "whole": False}[args.head],
+        cuts=None if args.cuts is None else tuple(_parse_cuts(args.cuts)),
+        partition=args.partition, target=args.format if args.format in FORMATS else None,
+        memory_limit_bytes=limit, device=args.device, allow_recompute=not args.no_recompute,
+        optimizer=args.optimizer, precision=args.precision,
+        link_bandwidth_bytes_per_s=None if args.link_bandwidth is None
+        else args.link_bandwidth * 1e9,
+        link_latency_ms=args.link_latency_ms, solver=args.solver)
+
+
+def _size(value: int | str) -> int | None:
+    return None if value == "auto" else int(value)
 
 
 def _parse_cuts(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
     if not text.strip() or any(not name for name in names):
-        raise PlanError(f"--cuts {text!r} has an empty name; give block names separated by "
+        raise PlanError(f"--cuts {text!r} has an empty name; give cut names separated by "
                         f"commas, e.g. --cuts model.layers.7,lm_head.shard0of4")
     return names
 
@@ -200,7 +195,7 @@ def _print_table(plan: Plan, console: Console) -> None:
         for i, stage_idx in enumerate(rank.stages):
             stage = plan.stages[stage_idx]
             table.add_row(str(rank.rank) if i == 0 else "", str(stage.index),
-                          summarize_modules(stage.modules), f"{stage.fwd_ms:.2f}",
+                          summarize_modules(stage.modules, plan.parts), f"{stage.fwd_ms:.2f}",
                           f"{stage.bwd_ms:.2f}", "yes" if stage.recompute else "",
                           gib(rank.peak_memory_bytes) + limit if i == 0 else "",
                           f"{rank.busy_ms:.1f}" if i == 0 else "")
@@ -241,5 +236,5 @@ def _solver_text(plan: Plan) -> str:
 
 def _write_trace(plan: Plan, path: str) -> None:
     result = simulate_plan(plan)
-    names = [f"stage {s.index}: {summarize_modules(s.modules)}" for s in plan.stages]
+    names = [f"stage {s.index}: {summarize_modules(s.modules, plan.parts)}" for s in plan.stages]
     write_trace(result, path, stage_names=names)

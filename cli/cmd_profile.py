@@ -19,9 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from autopart.errors import ProfileError
+from autopart.intake.blocks import DISCOVERY_LEVELS
 from autopart.jsonio import check_writable
 from autopart.profile import list_devices, profile_model
-from autopart.schema import GRANULARITIES, Profile
+from autopart.schema import Profile
+from autopart.schema.parts import LEVEL_ALIASES
 from autopart.verify.machine import machine_check_for
 
 from ._progress import progress_bar
@@ -46,10 +48,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="warm-up runs per block")
     p.add_argument("--layer-class", action="append", default=None, metavar="NAME",
                    help="class name of the repeated layers (repeatable); overrides discovery")
-    p.add_argument("--granularity", default="layer", choices=GRANULARITIES,
-                   help="sublayer: each decoder layer as two blocks (attention half, MLP "
-                        "half) where a cut between them is exact; quarter: each half split "
-                        "before its output projection too where exact; default layer")
+    p.add_argument("--granularity", default="projection",
+                   choices=[*reversed(DISCOVERY_LEVELS), *LEVEL_ALIASES],
+                   metavar="{projection,half,layer}",
+                   help="the finest level to measure: projection (default: each decoder "
+                        "layer's attention and MLP halves, each cut before its output "
+                        "projection, wherever a cut there is exact; the profile says where "
+                        "it is not), half (the two halves only) or layer (whole layers). "
+                        "Identical parts are measured once; plans may use any coarser level")
     p.add_argument("--out", type=Path, default=None, metavar="PATH",
                    help="profile JSON to write (default ./<model>.<backend>.profile.json)")
     p.add_argument("--json", action="store_true", help="print the profile JSON on stdout")

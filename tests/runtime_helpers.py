@@ -16,19 +16,45 @@ import torch.multiprocessing as mp
 
 from autopart.intake import BlockChain
 from autopart.schedules import SCHEDULES, stage_to_rank
-from autopart.schema import Plan, RankPlan, StagePlan, TrainingSetup
+from autopart.schema import Part, Plan, RankPlan, StagePlan, TrainingSetup
+from autopart.schema.parts import derived_name
+
+Planned = list[tuple[str, tuple[Part, ...]]]
+"""A plan's blocks in order: each name with its parts."""
+
+
+def planned_blocks(chain: BlockChain, *, units: dict[str, int] | None = None,
+                   vocab: int = 0) -> Planned:
+    """The chain's blocks with the modules in ``units`` cut into that many parts along
+    ``units`` (slices of a half's module) and the head into ``vocab`` parts (0: whole)."""
+    out: Planned = []
+    for block in chain.blocks:
+        module = next((m for m in units or {} if m in block.fqns), None)
+        count, axis = (units[module], "units") if module else (vocab, "vocab")
+        if module is None:
+            module = block.name
+        if count and (axis == "units" or block is chain.blocks[-1]):
+            out += [(derived_name(module, axis, i, count),
+                     (*block.parts, Part(module=module, axis=axis, index=i, count=count)))
+                    for i in range(count)]
+        else:
+            out.append((block.name, block.parts))
+    return out
 
 PG_TIMEOUT_S = 90
 
 
 def make_stage_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_size: int,
-              num_microbatches: int, recompute: tuple[int, ...] = (),
-              names: list[str] | None = None, granularity: str = "layer") -> Plan:
+                    num_microbatches: int, recompute: tuple[int, ...] = (),
+                    blocks: Planned | None = None) -> Plan:
     """A plan with contiguous stages of ``counts`` blocks each, ranks from ``stage_to_rank``.
 
-    ``names`` replaces the chain's block names (e.g. with the head's shard blocks or a
-    half's slices); ``granularity`` is the plan's."""
-    names = names or chain.names
+    ``blocks`` (``planned_blocks``) replaces the chain's blocks (e.g. with the head's
+    vocabulary parts or a half's slices); the plan's level is the chain's (``slice`` when
+    a half is cut by units)."""
+    blocks = blocks if blocks is not None else [(b.name, b.parts) for b in chain.blocks]
+    names = [name for name, _ in blocks]
+    sliced = any(p and p[-1].axis == "units" for _, p in blocks)
     assert sum(counts) == len(names), (counts, len(names))
     assert len(counts) % pp_size == 0, (counts, pp_size)
     virtual = len(counts) // pp_size
@@ -48,7 +74,8 @@ def make_stage_plan(chain: BlockChain, counts: list[int], *, schedule: str, pp_s
                 pipeline_cuts=tuple(s.modules[-1] for s in stages[:-1]), stages=tuple(stages),
                 ranks=ranks, predicted_step_ms=0.0, bubble_fraction=0.0,
                 setup=TrainingSetup(pp_size=pp_size, num_microbatches=num_microbatches),
-                granularity=granularity)
+                granularity="slice" if sliced else chain.granularity,
+                parts={name: parts for name, parts in blocks if parts})
 
 
 def _free_port() -> int:

@@ -6,7 +6,14 @@ import itertools
 from collections.abc import Sequence
 
 from autopart.cost import block_arrays
-from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
+from autopart.schema import (
+    BlockProfile,
+    ModelInfo,
+    Part,
+    Profile,
+    ProfileSetup,
+    TrainingSetup,
+)
 from autopart.solve.chain import Chain, build_chain
 
 MIB = 1 << 20
@@ -23,6 +30,11 @@ def make_block(name: str, *, kind: str = "block", fwd_ms: float = 1.0, bwd_ms: f
                         param_bytes=4 * num_params, activation_bytes=activation_bytes,
                         output_bytes=output_bytes, transient_bytes=transient_bytes,
                         num_params=num_params)
+
+
+def half_of(layer: str, index: int) -> tuple[Part, ...]:
+    """The parts of a decoder layer's half ``index`` (0: attention, 1: MLP)."""
+    return (Part(module=layer, axis="calls", index=index, count=2),)
 
 
 def make_profile(blocks: Sequence[BlockProfile], name: str = "synthetic") -> Profile:

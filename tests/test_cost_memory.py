@@ -13,7 +13,14 @@ import dataclasses
 
 from autopart.cost import block_arrays, checkpointed, stage_cost
 from autopart.rank_cost import rank_static_bytes
-from autopart.schema import BlockProfile, ModelInfo, Profile, ProfileSetup, TrainingSetup
+from autopart.schema import (
+    BlockProfile,
+    ModelInfo,
+    Part,
+    Profile,
+    ProfileSetup,
+    TrainingSetup,
+)
 from autopart.simulate import simulate
 
 
@@ -143,11 +150,12 @@ def test_tied_weight_counts_once_per_rank():
     """ZBV, pp 2, v 2, one block per stage: rank 0 holds stage 0 (emb) and stage 3
     (head), each 10 parameters * 8 B = 80 B of static, of which the shared 8 * 8 = 64 B
     is one Parameter in torch: rank 0's static is 80 + 80 - 64 = 96, rank 1's
-    (l0, l1) 160 + 160 = 320 either way. A stage holding both counts it once too."""
+    (l0, l1) 160 + 160 = 320 either way. A stage holding both counts it once too. Both
+    stages say they hold the head's module (the shared weight) whole."""
     arrays = block_arrays(_tied_llm(True), SETUP)
     costs = [stage_cost(arrays, i, i) for i in range(4)]
-    assert [(c.tied_static_bytes, c.tied_part_bytes) for c in costs] == \
-        [(64, 64), (0, 0), (0, 0), (64, 64)]
+    assert [c.held for c in costs] == [(("head", 64),), (), (), (("head", 64),)]
+    assert [c.static_bytes for c in costs] == [80, 160, 160, 80]
     assert rank_static_bytes(costs, (0, 3)) == 96
     assert rank_static_bytes(costs, (1, 2)) == 320
     assert rank_static_bytes([stage_cost(arrays, 0, 3)], (0,)) == 60 * 8 - 64
@@ -165,14 +173,18 @@ def test_split_head_is_held_whole_on_every_rank_with_a_shard():
     """A head of vocab 8 x hidden 1 split into two shards of 4 parameters: a rank with
     one shard holds the whole weight, its gradient and state, 8 * 8 = 64 B, not 32 B.
     Tied as well, the embedding (2 own + the 8 shared parameters) holds that same
-    weight: a rank with the embedding and a shard holds (2 + 8) * 8 = 80 B."""
+    weight: a rank with the embedding and a shard holds (2 + 8) * 8 = 80 B. Each stage
+    with a shard holds it (its static bytes), a rank once."""
     profile = _tied_llm(False)
     head = profile.blocks[-1]
-    shards = tuple(dataclasses.replace(head, name=f"head.shard{i}of2", num_params=4)
+    shards = tuple(dataclasses.replace(head, name=f"head.shard{i}of2", num_params=4,
+                                       parts=(Part(module="head", axis="vocab", index=i,
+                                                   count=2),))
                    for i in range(2))
     profile = dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
     costs = [stage_cost(block_arrays(profile, SETUP), i, i) for i in range(5)]
-    assert [c.static_bytes for c in costs] == [80, 160, 160, 32, 32]
+    assert [c.static_bytes for c in costs] == [80, 160, 160, 64, 64]
+    assert costs[3].held == costs[4].held == (("head", 64),)
     assert rank_static_bytes(costs, (3,)) == 64
     assert rank_static_bytes(costs, (3, 4)) == 64
     assert rank_static_bytes(costs, (2, 4)) == 160 + 64

@@ -17,29 +17,29 @@ from families import real_model, tiny_config
 from autopart.intake.half_slices import (
     add_outputs,
     check_slices,
-    collapse_parts,
     main_output,
-    parse_slice,
     partial_forward,
-    slice_name,
-    slice_names,
     slice_rule,
     unit_range,
 )
+from autopart.schema import Part
+from autopart.schema.parts import derived_name
+from autopart.solve.cuts import parse_derived
 
 TOL = 1e-5
 
 
-def test_names_parse_and_collapse_with_head_shards():
-    assert slice_name("model.layers.3.mlp", 1, 4) == "model.layers.3.mlp.slice1of4"
-    assert parse_slice("model.layers.3.mlp.slice1of4") == ("model.layers.3.mlp", 1, 4)
-    assert parse_slice("model.layers.3.mlp.slice4of4") is None
-    assert parse_slice("model.layers.3.mlp.slice0of1") is None
-    assert parse_slice("model.layers.3.mlp") is None
-    names = ["model.embed_tokens", *slice_names("model.layers.0.self_attn", 2),
-             "model.layers.0.mlp", "lm_head.shard0of2", "lm_head.shard1of2"]
-    assert collapse_parts(names) == ["model.embed_tokens", "model.layers.0.self_attn",
-                                     "model.layers.0.mlp", "lm_head"]
+def test_slice_names_and_parts():
+    """A slice's name is for people; its part is typed data, checked when made."""
+    assert derived_name("model.layers.3.mlp", "units", 1, 4) == "model.layers.3.mlp.slice1of4"
+    assert parse_derived("model.layers.3.mlp.slice1of4") == ("model.layers.3.mlp", "units",
+                                                             1, 4)
+    assert parse_derived("model.layers.3.mlp") is None
+    for index, count in ((4, 4), (0, 1), (-1, 2)):
+        with pytest.raises(ValueError, match="expected count >= 2"):
+            Part(module="model.layers.3.mlp", axis="units", index=index, count=count)
+    with pytest.raises(ValueError, match="axis 'rows'"):
+        Part(module="lm_head", axis="rows", index=0, count=2)
     assert [unit_range(i, 3, 8) for i in range(3)] == [(0, 2), (2, 5), (5, 8)]
 
 

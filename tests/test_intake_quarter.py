@@ -1,4 +1,4 @@
-"""Quarter blocks: each layer half cut before its output projection where exact.
+"""The projection level: each layer half cut before its output projection where exact.
 
 Expected blocks, crossing values and bytes are written out by hand from each family's
 layer code (Llama: attention output + residual, act(gate) * up + residual); halves whose
@@ -11,20 +11,20 @@ from __future__ import annotations
 import pytest
 from families import tiny_config
 
-from autopart.granularity import fuse_layers, fuse_quarters
 from autopart.intake import discover_blocks
 from autopart.intake.sources import build_hf_model
+from autopart.levels import coarsen
 from autopart.profile import profile_model
 from autopart.solve import make_plan
 
 
 def _quarter(model_type: str):
-    return discover_blocks(build_hf_model(tiny_config(model_type)), granularity="quarter")
+    return discover_blocks(build_hf_model(tiny_config(model_type)), granularity="projection")
 
 
 def test_llama_halves_split_before_o_proj_and_down_proj():
     chain = _quarter("llama")
-    assert chain.granularity == "quarter" and not chain.notes and len(chain.blocks) == 19
+    assert chain.granularity == "projection" and not chain.notes and len(chain.blocks) == 19
     layer = "model.layers.0"
     assert chain.names[1:5] == [f"{layer}.self_attn.v_proj", f"{layer}.self_attn.o_proj",
                                 f"{layer}.mlp.up_proj", f"{layer}.mlp.down_proj"]
@@ -48,7 +48,7 @@ def test_the_residual_crosses_beside_the_projection_input():
 def test_fingerprint_is_the_same_at_every_granularity():
     model = build_hf_model(tiny_config("llama"))
     assert discover_blocks(model).fingerprint == discover_blocks(
-        model, granularity="quarter").fingerprint
+        model, granularity="projection").fingerprint
 
 
 @pytest.mark.parametrize("model_type,num_blocks,note", [
@@ -70,21 +70,21 @@ def test_gemma3_post_norm_goes_with_the_projection():
 def profiles():
     model = build_hf_model(tiny_config("llama"))
     return {g: profile_model(model, backend="analytical:h100", seq_len=16, granularity=g)
-            for g in ("layer", "sublayer", "quarter")}
+            for g in ("layer", "half", "projection")}
 
 
 def test_cut_before_a_projection_counts_both_crossing_values(profiles):
     """fp32, 16 tokens: hidden 32 -> 2048 bytes; intermediate 64 -> 4096 bytes."""
-    blocks = profiles["quarter"].blocks
+    blocks = profiles["projection"].blocks
     assert [b.output_bytes for b in blocks[1:5]] == [2048 + 2048, 2048, 4096 + 2048, 2048]
 
 
 def test_parts_sum_to_the_halves(profiles):
     """The part before the projection is the half less the projection: times, parameters
-    and saved activations add up to the sublayer profile's halves."""
-    fused = fuse_quarters(profiles["quarter"])
-    halves = profiles["sublayer"]
-    assert fused.setup.granularity == "sublayer"
+    and saved activations add up to the half profile's halves."""
+    fused = coarsen(profiles["projection"], "half")
+    halves = profiles["half"]
+    assert fused.setup.granularity == "half"
     assert [b.name for b in fused.blocks] == [b.name for b in halves.blocks]
     for a, b in zip(fused.blocks, halves.blocks):
         assert a.param_bytes == b.param_bytes and a.modules == b.modules, (a.name, b.name)
@@ -92,19 +92,23 @@ def test_parts_sum_to_the_halves(profiles):
         assert a.bwd_ms == pytest.approx(b.bwd_ms, rel=1e-9, abs=1e-12)
         assert a.activation_bytes == b.activation_bytes
         assert a.held_for_weight_bytes == b.held_for_weight_bytes
-    layers = fuse_layers(profiles["quarter"])
+        assert a.parts == b.parts and a.kind == b.kind
+    layers = coarsen(profiles["projection"], "layer")
     assert [b.name for b in layers.blocks] == [b.name for b in profiles["layer"].blocks]
+    assert [b.kind for b in layers.blocks] == [b.kind for b in profiles["layer"].blocks]
 
 
 def test_plans_cut_inside_halves_and_keep_the_granularity(profiles):
-    plan = make_plan(profiles["quarter"], pp_size=2, schedule="1f1b", num_microbatches=4,
-                     granularity="quarter")
-    assert plan.granularity == "quarter"
-    names = {b.name for b in profiles["quarter"].blocks}
-    assert set(plan.pipeline_cuts) <= names
-    halves = make_plan(profiles["quarter"], pp_size=2, schedule="1f1b", num_microbatches=4,
-                       granularity="sublayer")
-    assert set(halves.pipeline_cuts) <= {b.name for b in profiles["sublayer"].blocks}
+    plan = make_plan(profiles["projection"], pp_size=2, schedule="1f1b", num_microbatches=4,
+                     granularity="projection", split_head=False)
+    assert plan.granularity == "projection"
+    names = {b.name for b in profiles["projection"].blocks}
+    assert {m for s in plan.stages for m in s.modules} == names
+    halves = make_plan(profiles["projection"], pp_size=2, schedule="1f1b", num_microbatches=4,
+                       granularity="half", split_head=False)
+    assert halves.granularity == "half"
+    assert {m for s in halves.stages for m in s.modules} == {
+        b.name for b in profiles["half"].blocks}
 
 
 @pytest.mark.slow
@@ -115,8 +119,8 @@ def test_cpu_measured_parts_sum_to_the_halves():
     model = build_hf_model(tiny_config("llama"))
     quarter, halves = (profile_model(model, backend="cpu", seq_len=16, num_warmup=0,
                                      num_repeats=1, granularity=g)
-                       for g in ("quarter", "sublayer"))
+                       for g in ("projection", "half"))
     assert [b.output_bytes for b in quarter.blocks[1:5]] == [4096, 2048, 6144, 2048]
-    for a, b in zip(fuse_quarters(quarter).blocks, halves.blocks):
+    for a, b in zip(coarsen(quarter, "half").blocks, halves.blocks):
         assert (a.name, a.param_bytes, a.activation_bytes) == (
             b.name, b.param_bytes, b.activation_bytes)

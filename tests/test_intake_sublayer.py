@@ -12,21 +12,20 @@ from families import tiny_config
 from torch import nn
 
 from autopart.errors import ModelSourceError
-from autopart.granularity import fuse_layers, layer_groups
 from autopart.intake import discover_blocks
-from autopart.intake.head_split import collapse_shards
 from autopart.intake.sources import build_hf_model
+from autopart.levels import coarsen, coarsen_blocks
 from autopart.profile import profile_model
 from autopart.solve.baselines import baseline_split
 
 
 def _sub(model_type: str):
-    return discover_blocks(build_hf_model(tiny_config(model_type)), granularity="sublayer")
+    return discover_blocks(build_hf_model(tiny_config(model_type)), granularity="half")
 
 
 def test_llama_layers_split_into_attention_and_mlp_halves():
     chain = _sub("llama")
-    assert chain.granularity == "sublayer" and not chain.notes
+    assert chain.granularity == "half" and not chain.notes
     assert chain.names[:5] == ["model.embed_tokens", "model.layers.0.self_attn",
                                "model.layers.0.mlp", "model.layers.1.self_attn",
                                "model.layers.1.mlp"]
@@ -42,7 +41,7 @@ def test_llama_layers_split_into_attention_and_mlp_halves():
 def test_fingerprint_does_not_depend_on_granularity():
     model = build_hf_model(tiny_config("qwen2"))
     assert discover_blocks(model).fingerprint == \
-        discover_blocks(model, granularity="sublayer").fingerprint
+        discover_blocks(model, granularity="half").fingerprint
 
 
 def test_gemma3_half_ends_after_the_post_attention_norm():
@@ -88,38 +87,39 @@ class _Net(nn.Module):
 
 
 def test_layer_with_its_own_parameter_stays_whole():
-    chain = discover_blocks(_Net().to("meta"), granularity="sublayer")
+    chain = discover_blocks(_Net().to("meta"), granularity="half")
     assert chain.granularity == "layer"
     assert chain.names == ["layers.0", "layers.1", "layers.2", "out"]
     assert "'gamma'" in chain.notes[0]
 
 
 def test_unknown_granularity_is_one_line():
-    with pytest.raises(ModelSourceError, match="granularity 'half' is not one of"):
-        discover_blocks(_Net().to("meta"), granularity="half")
+    with pytest.raises(ModelSourceError, match="granularity 'slice' is not one of"):
+        discover_blocks(_Net().to("meta"), granularity="slice")
 
 
 @pytest.fixture(scope="module")
 def profiles():
     model = build_hf_model(tiny_config("llama"))
     kw = {"backend": "analytical:h100", "seq_len": 32, "dtype": "bfloat16"}
-    return profile_model(model, **kw), profile_model(model, granularity="sublayer", **kw)
+    return (profile_model(model, granularity="layer", **kw),
+            profile_model(model, granularity="half", **kw))
 
 
 def test_sublayer_profile_measures_identical_halves_once(profiles):
     _, sub = profiles
-    assert sub.setup.granularity == "sublayer" and sub.model.num_layers == 4
+    assert sub.setup.granularity == "half" and sub.model.num_layers == 4
     halves = [b for b in sub.blocks if b.layer]
     assert [b.kind for b in halves[:2]] == ["attention", "mlp"]
     assert [b.reused_from for b in halves[2:4]] == ["model.layers.0.self_attn",
                                                     "model.layers.0.mlp"]
     assert sub.model.fingerprint == profiles[0].model.fingerprint
-    assert any(n.startswith("sublayer:") for n in sub.model.notes)
+    assert any(n.startswith("half:") for n in sub.model.notes)
 
 
-def test_fused_sublayer_profile_matches_the_layer_profile(profiles):
+def test_fused_half_profile_matches_the_layer_profile(profiles):
     whole, sub = profiles
-    fused = fuse_layers(sub)
+    fused = coarsen(sub, "layer")
     assert fused.setup.granularity == "layer"
     assert [b.name for b in fused.blocks] == [b.name for b in whole.blocks]
     assert [b.kind for b in fused.blocks] == [b.kind for b in whole.blocks]
@@ -128,15 +128,15 @@ def test_fused_sublayer_profile_matches_the_layer_profile(profiles):
         # the residual adds between halves are glue at sublayer granularity
         assert a.fwd_ms <= b.fwd_ms + 1e-9 and a.fwd_ms > 0.7 * b.fwd_ms
     assert fused.blocks[2].reused_from == "model.layers.0"
-    assert fuse_layers(whole) is whole
+    assert coarsen(whole, "layer").blocks == whole.blocks
 
 
 def test_baselines_never_cut_inside_a_layer(profiles):
-    """The public rules cut a sublayer profile where they cut the layer profile."""
+    """The public rules cut a half profile where they cut the layer profile."""
     whole, sub = profiles
-    groups = layer_groups(sub.blocks)
-    assert groups[1] == [1, 2] and len(groups) == len(whole.blocks)
-    starts = {g[0]: k for k, g in enumerate(groups)}
+    fused, positions = coarsen_blocks(sub.blocks, "layer")
+    assert positions[1:3] == [1, 3] and len(fused) == len(whole.blocks)
+    starts = {p: k for k, p in enumerate(positions[:-1])}
     for name in ("even", "params", "torchtitan"):
         got = baseline_split(name, sub.blocks, 3)
         assert all(i in starts for i, _ in got), (name, got)
@@ -155,9 +155,9 @@ def test_exports_plan_a_sublayer_profile_at_layer_granularity(profiles):
     assert all(m in layer_names for s in plan.stages for m in s.modules)
     assert any("planned at layer granularity" in n for n in plan.notes)
     assert "pipeline_cuts" in export_plan(plan, sub, "nxd")
-    finer = make_plan(sub, pp_size=2, num_microbatches=4, schedule="1f1b")
-    planned = collapse_shards([m for s in finer.stages for m in s.modules])
-    assert planned == [b.name for b in sub.blocks] and finer.granularity == "sublayer"
+    finer = make_plan(sub, pp_size=2, num_microbatches=4, schedule="1f1b", split_head=False)
+    planned = [m for s in finer.stages for m in s.modules]
+    assert planned == [b.name for b in sub.blocks] and finer.granularity == "half"
 
 
 def test_runtime_builds_the_chain_at_the_plans_granularity(profiles):
@@ -167,7 +167,8 @@ def test_runtime_builds_the_chain_at_the_plans_granularity(profiles):
     model = build_hf_model(tiny_config("llama"))
     chain = discover_blocks(model)
     for profile in profiles:
-        plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b")
+        plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
+                         split_head=False)
         picked = chain_for_plan(model, chain, plan)
         assert picked.names == [b.name for b in profile.blocks]
         assert picked.granularity == profile.setup.granularity

@@ -105,7 +105,8 @@ def test_dp_sync_with_one_stage_is_the_whole_all_reduce():
     """pp 1: the only rank's last backward ends the pipeline, so the whole ring all-reduce
     of its float32 gradients (sgd) runs past the end."""
     profile = llama_like(2)
-    result = plan_mesh(profile, devices=2, spec=_spec(), tp=1, pp=1, dp=2, num_microbatches=2,
+    result = plan_mesh(profile, devices=2, device=_spec(), tp_size=1, pp_size=1, dp_size=2,
+                       num_microbatches=2,
                        optimizer="sgd", refine_evals=0, solver="dp")
     grads = 4 * profile.model.num_params
     assert result.plan.grad_sync_ms == pytest.approx(ring_all_reduce_ms(grads, 2, 1e9, 0.01))
@@ -113,7 +114,7 @@ def test_dp_sync_with_one_stage_is_the_whole_all_reduce():
 
 
 def test_plan_mesh_ranks_meshes_and_says_why_they_lost():
-    result = plan_mesh(llama_like(4), devices=4, spec=_spec(), num_microbatches=4,
+    result = plan_mesh(llama_like(4), devices=4, device=_spec(), num_microbatches=4,
                        optimizer="sgd", refine_evals=0, solver="dp")
     steps = [c.step_ms for c in result.candidates if c.fits]
     assert steps == sorted(steps) and result.candidates[0].lost_because == ""
@@ -189,7 +190,8 @@ def test_zero1_sync_is_a_reduce_scatter_of_grads_and_an_all_gather_of_params():
     """pp 1, dp 2, ZeRO-1, bf16 params with fp32 grads: half an all-reduce of the 4-byte
     gradients plus half an all-reduce of the 2-byte parameters."""
     profile = llama_like(2)
-    result = plan_mesh(profile, devices=2, spec=_spec(), tp=1, pp=1, dp=2, num_microbatches=2,
+    result = plan_mesh(profile, devices=2, device=_spec(), tp_size=1, pp_size=1, dp_size=2,
+                       num_microbatches=2,
                        zero_stage=1, precision="bf16-mixed", refine_evals=0, solver="dp")
     n = profile.model.num_params
     want = ring_all_gather_ms(4 * n, 2, 1e9, 0.01) + ring_all_gather_ms(2 * n, 2, 1e9, 0.01)
@@ -200,9 +202,9 @@ def test_zero1_sync_is_a_reduce_scatter_of_grads_and_an_all_gather_of_params():
 def test_a_tp_plan_says_how_autopart_runtime_differs_and_a_pp_plan_does_not():
     """The planner models TP as Megatron runs it; autopart's runtime runs it otherwise,
     and the plan says so rather than leave that gap silent."""
-    tp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=2, pp=1, dp=1,
+    tp2 = plan_mesh(llama_like(2), devices=2, device=_spec(), tp_size=2, pp_size=1, dp_size=1,
                     num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
-    dp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=1, pp=1, dp=2,
+    dp2 = plan_mesh(llama_like(2), devices=2, device=_spec(), tp_size=1, pp_size=1, dp_size=2,
                     num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
     assert any("autopart's own runtime keeps the embedding and head whole" in note
                for note in tp2.plan.notes)

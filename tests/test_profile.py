@@ -9,11 +9,12 @@ from torch import nn
 
 from autopart.errors import ProfileError
 from autopart.intake import load_model
+from autopart.levels import coarsen
 from autopart.profile import profile_model
 from autopart.profile.backends import Backend
 from autopart.profile.measure import measure_times
 from autopart.profile.tasks import BlockTask
-from autopart.schema import Profile
+from autopart.schema import Part, Profile
 
 FAST = {"num_warmup": 1, "num_repeats": 2, "seq_len": 16}
 TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
@@ -30,11 +31,25 @@ def tiny() -> Profile:
 
 
 def test_blocks_follow_the_chain(tiny):
+    """The default profile holds the finest level: each layer's halves cut before their
+    output projection, every piece a part of its half's module and of its layer; the
+    layer level fuses them back into the layers."""
+    pieces = ["self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"]
     assert [b.name for b in tiny.blocks] == [
+        "model.embed_tokens", *(f"model.layers.{i}.{p}" for i in range(4) for p in pieces),
+        "model.norm", "lm_head"]
+    assert tiny.setup.granularity == "projection"
+    assert tiny.blocks[3].parts == (
+        Part(module="model.layers.0", axis="calls", index=1, count=2),
+        Part(module="model.layers.0.mlp", axis="calls", index=0, count=2))
+    layers = coarsen(tiny, "layer")
+    assert [b.name for b in layers.blocks] == [
         "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
         "model.layers.3", "model.norm", "lm_head"]
-    assert [b.kind for b in tiny.blocks] == (["embedding"] + ["decoder_layer"] * 4
-                                            + ["norm", "head"])
+    assert [b.kind for b in layers.blocks] == (["embedding"] + ["decoder_layer"] * 4
+                                               + ["norm", "head"])
+    assert [b.name for b in coarsen(tiny, "half").blocks[1:3]] == [
+        "model.layers.0.self_attn", "model.layers.0.mlp"]
 
 
 def test_every_block_is_timed(tiny):
@@ -105,7 +120,8 @@ def test_f_b_w_on_a_virtual_clock(weight, input_grad, expected):
 def test_exact_sizes(tiny):
     """Sizes against the tiny-llama config: hidden 64, vocab 512, kv heads 2 of dim 16."""
     hidden, vocab, inter, kv = 64, 512, 176, 32
-    embed, layer, norm, head = tiny.blocks[0], tiny.blocks[1], tiny.blocks[5], tiny.blocks[6]
+    blocks = coarsen(tiny, "layer").blocks
+    embed, layer, norm, head = blocks[0], blocks[1], blocks[5], blocks[6]
     assert embed.num_params == vocab * hidden and embed.param_bytes == vocab * hidden * 4
     attention, mlp, norms = 2 * hidden * hidden + 2 * hidden * kv, 3 * hidden * inter, 2 * hidden
     assert layer.num_params == attention + mlp + norms
@@ -114,6 +130,7 @@ def test_exact_sizes(tiny):
     assert head.output_bytes == 4  # the float32 loss
     assert embed.activation_bytes == 16 * 8  # the int64 token ids the embedding backward needs
     assert tiny.model.num_params == sum(b.num_params for b in tiny.blocks)
+    assert sum(b.fwd_ms for b in blocks) == pytest.approx(sum(b.fwd_ms for b in tiny.blocks))
 
 
 def test_setup_and_model_info(tiny):
@@ -145,7 +162,9 @@ def test_the_glue_between_blocks_is_timed(tiny):
 
 
 def test_identical_layers_are_measured_once(tiny):
-    layers = [b for b in tiny.blocks if b.kind == "decoder_layer"]
+    """Each layer's pieces are reused from layer 0's, so the fused layers are too."""
+    assert [b.reused_from for b in tiny.blocks[5:9]] == [b.name for b in tiny.blocks[1:5]]
+    layers = [b for b in coarsen(tiny, "layer").blocks if b.kind == "decoder_layer"]
     assert layers[0].reused_from is None
     assert all(b.reused_from == "model.layers.0" for b in layers[1:])
     assert all(b.fwd_ms == layers[0].fwd_ms for b in layers)
@@ -227,7 +246,7 @@ def test_profiling_does_not_change_the_model(steady_machine):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     rng = torch.get_rng_state()
-    profile = profile_model(model, **FAST)
+    profile = profile_model(model, granularity="layer", **FAST)
     assert len(profile.blocks) == 7
     after = model.state_dict()
     assert before.keys() == after.keys()

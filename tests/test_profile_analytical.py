@@ -12,6 +12,7 @@ from torch import nn
 
 from autopart.errors import ProfileError
 from autopart.intake import discover_blocks, load_model
+from autopart.levels import coarsen
 from autopart.profile import list_devices, load_device_spec, parse_backend, profile_model
 from autopart.profile.analytical import Roofline, estimate_times, flash_sdpa
 from autopart.profile.measure import memory_pass
@@ -125,7 +126,8 @@ def test_llama_70b_in_seconds_without_allocating():
     process = psutil.Process()
     rss = process.memory_info().rss
     start = time.perf_counter()
-    profile = profile_model(loaded, backend="analytical:h100", seq_len=4096, dtype="bfloat16")
+    profile = profile_model(loaded, backend="analytical:h100", seq_len=4096, dtype="bfloat16",
+                            granularity="layer")
     seconds = time.perf_counter() - start
     grown = process.memory_info().rss - rss
     assert seconds < 10, seconds
@@ -141,6 +143,23 @@ def test_llama_70b_in_seconds_without_allocating():
     total_s = sum(b.fwd_ms + b.bwd_ms for b in profile.blocks) / 1e3
     assert 1.0 < total_s < 10.0
     assert discover_blocks(loaded.model).fingerprint == profile.model.fingerprint
+
+
+def test_llama_70b_default_level_measures_each_kind_of_part_once():
+    """At the default (finest) level each of the 80 layers is four pieces; only the
+    embedding, layer 0's four pieces, the norm and the head are estimated, the rest reused,
+    and fusing the pieces back gives the layer profile's figures."""
+    profile = profile_model("llama-3-70b", backend="analytical:h100", seq_len=4096,
+                            dtype="bfloat16")
+    layers = profile_model("llama-3-70b", backend="analytical:h100", seq_len=4096,
+                           dtype="bfloat16", granularity="layer")
+    assert profile.setup.granularity == "projection" and len(profile.blocks) == 3 + 4 * 80
+    assert sum(b.reused_from is None for b in profile.blocks) == 7
+    fused = coarsen(profile, "layer")
+    assert [b.name for b in fused.blocks] == [b.name for b in layers.blocks]
+    assert [b.num_params for b in fused.blocks] == [b.num_params for b in layers.blocks]
+    assert fused.blocks[1].fwd_ms == pytest.approx(layers.blocks[1].fwd_ms, rel=0.02)
+    assert layers.model.fingerprint == profile.model.fingerprint
 
 
 def test_missing_dtype_peak_is_a_profile_error(monkeypatch):

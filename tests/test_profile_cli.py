@@ -17,7 +17,7 @@ def test_writes_the_default_file_in_the_cwd(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["profile", "tiny-llama", *FAST]) == 0
     profile = Profile.load(tmp_path / "tiny-llama.cpu.profile.json")
-    assert len(profile.blocks) == 7
+    assert len(profile.blocks) == 3 + 4 * 4 and profile.setup.granularity == "projection"
     out, err = capsys.readouterr()
     assert "model.layers.0" in out and "total" in out and "measured" in out
     assert "tiny-llama.cpu.profile.json" in err

@@ -11,11 +11,12 @@ import torch
 from solve_helpers import llama_like
 
 from autopart.cost import StageCost, block_arrays, stage_cost
+from autopart.levels import split_head
 from autopart.profile.devices import load_device_spec
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
 from autopart.rank_cost import shared_grad_sync_ms
 from autopart.schema import TrainingSetup
-from autopart.solve.shards import apply_granularity, split_head
+from autopart.solve.choices import Choice, choice_notes
 
 
 def test_estimate_is_one_pass_over_the_weight_at_the_specs_bandwidth():
@@ -49,18 +50,17 @@ def test_a_stage_with_shards_pays_the_zero_fill_once_per_step_in_its_f():
     assert last.bwd_weight_ms == pytest.approx(head.bwd_weight_ms / 4)
     layers = stage_cost(arrays, 0, n - 5)
     assert layers.fwd_ms == pytest.approx(sum(b.fwd_ms for b in split.blocks[:n - 4]))
-    note = apply_granularity(profile, "auto", None, shards=4)[1][0]
+    (note,) = choice_notes(profile, Choice("layer", 4))
     assert "zero-fills its gradient once per step (2 ms, measured)" in note
     unrecorded = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
                                                                         head_grad_ms=0.0))
-    assert "re-profile to count it" in apply_granularity(unrecorded, "auto", None)[1][0]
+    assert "re-profile to count it" in choice_notes(unrecorded, Choice("layer", 4))[0]
 
 
-def _stage(tied_part: int) -> StageCost:
+def _stage(held: bool) -> StageCost:
     return StageCost(fwd_ms=1.0, bwd_input_ms=1.0, bwd_weight_ms=1.0, static_bytes=0,
                      activation_bytes=0, input_bytes=0, output_bytes=0, transient_bytes=0,
-                     param_count=0, tied_static_bytes=64_000_000 if tied_part else 0,
-                     tied_part_bytes=tied_part)
+                     param_count=0, held=(("lm_head", 64_000_000),) if held else ())
 
 
 def test_shared_gradient_sum_is_a_ring_all_reduce_over_its_holders():
@@ -70,10 +70,10 @@ def test_shared_gradient_sum_is_a_ring_all_reduce_over_its_holders():
     none: 0."""
     setup = TrainingSetup(pp_size=3, num_microbatches=4, link_bandwidth_bytes_per_s=50e9,
                           link_latency_ms=0.01)
-    costs = [_stage(5), _stage(0), _stage(7)]
+    costs = [_stage(True), _stage(False), _stage(True)]
     assert shared_grad_sync_ms(costs, [0, 1, 1], setup) == pytest.approx(0.34)
     assert shared_grad_sync_ms(costs, [0, 1, 2], setup) == pytest.approx(0.34)
-    assert shared_grad_sync_ms([_stage(5), _stage(3), _stage(7)], [0, 1, 2],
+    assert shared_grad_sync_ms([_stage(True)] * 3, [0, 1, 2],
                                setup) == pytest.approx(0.46667, rel=1e-4)
     assert shared_grad_sync_ms(costs, [1, 0, 1], setup) == 0.0
-    assert shared_grad_sync_ms([_stage(0)] * 3, [0, 1, 2], setup) == 0.0
+    assert shared_grad_sync_ms([_stage(False)] * 3, [0, 1, 2], setup) == 0.0

@@ -14,11 +14,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from families import init_real
-from runtime_helpers import make_stage_plan, padded_batch, run_ranks
+from runtime_helpers import make_stage_plan, padded_batch, planned_blocks, run_ranks
 
 from autopart.intake import discover_blocks, load_model
-from autopart.intake.half_slices import slice_names
-from autopart.intake.head_split import shard_names
 from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -56,15 +54,12 @@ def _worker(rank: int, world_size: int, init_dir: str, ckpt_dir: str, sd_dir: st
             split: str) -> dict:
     chain = discover_blocks(load_model(SOURCE).model)
     if split == "head":  # rank 0: .. norm, lm_head.shard0of2; rank 1: lm_head.shard1of2
-        names = chain.names[:-1] + shard_names(chain.names[-1], 2)
         plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
-                               names=names)
+                               blocks=planned_blocks(chain, vocab=2))
     elif split == "half":  # rank 0: .. model.layers.1.mlp.slice0of4; rank 1: slice1of4 ..
-        chain = discover_blocks(load_model(SOURCE).model, granularity="sublayer")
-        half = "model.layers.1.mlp"
-        names = [s for n in chain.names for s in (slice_names(n, 4) if n == half else [n])]
+        chain = discover_blocks(load_model(SOURCE).model, granularity="half")
         plan = make_stage_plan(chain, [5, 9], schedule="1f1b", pp_size=2, num_microbatches=2,
-                               names=names, granularity="sublayer")
+                               blocks=planned_blocks(chain, units={"model.layers.1.mlp": 4}))
     else:
         plan = make_stage_plan(chain, [3, 4], schedule="1f1b", pp_size=2, num_microbatches=2)
     batches = _batches()

@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopart.intake.head_split import collapse_shards, parse_shard, shard_names, vocab_range
+from autopart.intake.head_split import vocab_range
 from autopart.runtime.head_shards import shard_carry, summed_loss, token_losses
+from autopart.schema.parts import derived_name
+from autopart.solve.cuts import parse_derived
 
 
 def _reference(hidden, weight, bias, labels):
@@ -55,13 +57,15 @@ def test_large_logits_do_not_overflow():
 
 
 def test_shard_names_round_trip():
-    """Names parse back; ranges tile the vocabulary; collapse lists the head once."""
-    names = shard_names("lm_head", 3)
+    """A vocabulary part's name, and a cut name read back from it; ranges tile the
+    vocabulary."""
+    names = [derived_name("lm_head", "vocab", i, 3) for i in range(3)]
     assert names == ["lm_head.shard0of3", "lm_head.shard1of3", "lm_head.shard2of3"]
-    assert parse_shard("lm_head.shard1of3") == ("lm_head", 1, 3)
-    assert parse_shard("lm_head.shard3of3") is None and parse_shard("lm_head") is None
+    assert parse_derived("lm_head.shard1of3") == ("lm_head", "vocab", 1, 3)
+    assert parse_derived("model.layers.0.mlp.slice2of4") == ("model.layers.0.mlp", "units",
+                                                             2, 4)
+    assert parse_derived("lm_head") is None
     assert [vocab_range(i, 3, 10) for i in range(3)] == [(0, 3), (3, 6), (6, 10)]
-    assert collapse_shards(["model.norm", *names[:2]]) == ["model.norm", "lm_head"]
 
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_ranks
+from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, planned_blocks, run_ranks
 from test_runtime_hf import ALIASES, TOL, _meta_model, reference
 
 from autopart.errors import RuntimeSetupError
 from autopart.intake import discover_blocks
-from autopart.intake.head_split import shard_names
 from autopart.runtime import auto_pipeline
 
 # schedule -> (shards, block counts per stage, microbatches), pp = 2
@@ -32,9 +31,9 @@ def _worker(rank: int, world_size: int, source: str) -> dict:
     chain = discover_blocks(_meta_model(source))
     results = {}
     for name, (num_shards, counts, num_mb) in SPLITS.items():
-        names = chain.names[:-1] + shard_names(chain.names[-1], num_shards)
         plan = make_stage_plan(chain, counts, schedule=name, pp_size=world_size,
-                               num_microbatches=num_mb, names=names)
+                               num_microbatches=num_mb,
+                               blocks=planned_blocks(chain, vocab=num_shards))
         pipe = auto_pipeline(_meta_model(source), plan=plan, device="cpu")
         pipe.load_state_dict(state)
         input_ids, mask, labels = batch
@@ -71,18 +70,18 @@ def test_head_split_matches_unpipelined(tmp_path, source):
 
 def test_custom_loss_fn_is_refused_with_a_split_head():
     """A split head computes the token-mean loss itself: a loss_fn is refused in one line."""
-    from autopart.runtime.validate import check_head_split
+    from autopart.runtime.validate import check_parts
 
     model = _meta_model("tiny-llama")
     chain = discover_blocks(model)
-    names = chain.names[:-1] + shard_names(chain.names[-1], 2)
+    blocks = planned_blocks(chain, vocab=2)
     plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
-                           names=names)
-    assert check_head_split(plan, chain, model, has_loss_fn=False)
+                           blocks=blocks)
+    assert [d.part.index for d in check_parts(plan, chain, model, has_loss_fn=False)] == [0, 1]
     with pytest.raises(RuntimeSetupError, match="drop loss_fn"):
-        check_head_split(plan, chain, model, has_loss_fn=True)
-    swapped = names[:-2] + names[-2:][::-1]
+        check_parts(plan, chain, model, has_loss_fn=True)
+    swapped = blocks[:-2] + blocks[-2:][::-1]
     plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
-                           names=swapped)
+                           blocks=swapped)
     with pytest.raises(RuntimeSetupError, match="in order"):
-        check_head_split(plan, chain, model, has_loss_fn=False)
+        check_parts(plan, chain, model, has_loss_fn=False)

@@ -44,8 +44,8 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict, recompute:
     tie = model_type in TIED
     config = tiny_config(model_type, tie_word_embeddings=tie)
     reference = reference_run(config)
-    chain = discover_blocks(build_hf_model(config), granularity="quarter")
-    assert chain.granularity == "quarter" and len(chain.blocks) == num_blocks, chain.notes
+    chain = discover_blocks(build_hf_model(config), granularity="projection")
+    assert chain.granularity == "projection" and len(chain.blocks) == num_blocks, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
     results = {"ref_loss": reference.loss, "ref_keys": sorted(reference.state)}
     for schedule, counts in plans.items():

@@ -1,6 +1,6 @@
 """Pipeline cuts inside a decoder-layer half's module train exactly like the unpipelined model.
 
-Each family's tiny config is discovered at ``sublayer`` granularity (11 blocks for four
+Each family's tiny config is discovered at the ``half`` level (11 blocks for four
 layers: embedding, 4 x (attention half, MLP half), norm, head) and three halves are cut
 into slices (``autopart.intake.half_slices``): layer 0's MLP into 4 column groups, layer
 1's attention into its 2 KV-head groups, layer 2's MLP into 2. A stage ending inside a
@@ -20,11 +20,9 @@ import math
 
 import pytest
 from families import reference_run, tiny_config
-from runtime_helpers import check_exact, exact_step, make_stage_plan, run_ranks
+from runtime_helpers import check_exact, exact_step, make_stage_plan, planned_blocks, run_ranks
 
 from autopart.intake import discover_blocks
-from autopart.intake.half_slices import slice_names
-from autopart.intake.head_split import shard_names
 from autopart.intake.sources import build_hf_model
 from autopart.runtime.builder import tied_parameters
 
@@ -58,28 +56,20 @@ EVERY_SCHEDULE = {
 RECOMPUTED = {"1f1b": MLP_CUT, "interleaved-1f1b": INSIDE, "zbv": ACROSS}
 
 
-def sliced_names(chain) -> list[str]:
-    """The chain's block names with the halves of ``SLICED`` replaced by their slices."""
-    return [s for name in chain.names
-            for s in (slice_names(name, SLICED[name]) if name in SLICED else [name])]
-
-
 def _worker(rank: int, world_size: int, model_type: str, plans: dict, recompute: bool) -> dict:
     config = tiny_config(model_type)
     reference = reference_run(config)
-    chain = discover_blocks(build_hf_model(config), granularity="sublayer")
-    assert chain.granularity == "sublayer" and len(chain.blocks) == 11, chain.notes
+    chain = discover_blocks(build_hf_model(config), granularity="half")
+    assert chain.granularity == "half" and len(chain.blocks) == 11, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
     results = {"ref_loss": reference.loss, "ref_keys": sorted(reference.state),
                "ref_norm": math.sqrt(sum(g.pow(2).sum().item()
                                          for g in reference.grads.values()))}
     for key, counts in plans.items():
         schedule, _, variant = key.partition(":")
-        names = sliced_names(chain)
-        if variant == "shards":
-            names = names[:-1] + shard_names(names[-1], 2)
+        blocks = planned_blocks(chain, units=SLICED, vocab=2 if variant == "shards" else 0)
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
-                               num_microbatches=4, names=names, granularity="sublayer")
+                               num_microbatches=4, blocks=blocks)
         results[key] = exact_step(config, plan, reference, aliases, recompute, grad_norm=True)
     return results
 
@@ -119,21 +109,23 @@ def _planned_worker(rank: int, world_size: int, plan) -> dict:
     config = tiny_config("llama")
     reference = reference_run(config)
     aliases = {b: a for a, b in tied_parameters(
-        build_hf_model(config), discover_blocks(build_hf_model(config), granularity="sublayer"))}
+        build_hf_model(config), discover_blocks(build_hf_model(config), granularity="half"))}
     return {"ref_loss": reference.loss, "ref_keys": sorted(reference.state),
             "planned": exact_step(config, plan, reference, aliases, False)}
 
 
 @pytest.mark.timeout(240)
 def test_a_plan_from_the_planner_runs_exactly(tmp_path):
-    """``make_plan(granularity="slice")`` on a cpu profile: its slice names and stage
-    layout are what the runtime runs."""
+    """``make_plan`` with a cut named inside an MLP on a default cpu profile: the planner's
+    slices and stage layout are what the runtime runs."""
     from autopart.profile import profile_model
     from autopart.solve import make_plan
 
     profile = profile_model(build_hf_model(tiny_config("llama")), backend="cpu",
-                            granularity="quarter", seq_len=8, num_warmup=1, num_repeats=2)
+                            seq_len=8, num_warmup=1, num_repeats=2)
     plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
-                     granularity="slice", cuts=["model.layers.1.mlp.slice2of4"])
-    assert plan.granularity == "sublayer" and plan.stages[0].shared_half_bytes > 0
+                     cuts=["model.layers.1.mlp.slice2of4"])
+    assert plan.granularity == "slice" and plan.head_shards == 0
+    assert plan.stages[0].held == plan.stages[1].held
+    assert [h.module for h in plan.stages[0].held] == ["model.layers.1.mlp"]
     check_exact(run_ranks(_planned_worker, 2, tmp_path, plan), {"planned": None}, TOL)

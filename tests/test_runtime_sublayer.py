@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import pytest
 from families import reference_run, tiny_config
-from runtime_helpers import check_exact, exact_step, make_stage_plan, run_ranks
+from runtime_helpers import check_exact, exact_step, make_stage_plan, planned_blocks, run_ranks
 
 from autopart.intake import discover_blocks
-from autopart.intake.head_split import shard_names
 from autopart.intake.sources import build_hf_model
 from autopart.runtime.builder import tied_parameters
 
@@ -45,16 +44,15 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict,
     tie = model_type in TIED
     config = tiny_config(model_type, tie_word_embeddings=tie)
     reference = reference_run(config)
-    chain = discover_blocks(build_hf_model(config), granularity="sublayer")
-    assert chain.granularity == "sublayer" and len(chain.blocks) == 11, chain.notes
+    chain = discover_blocks(build_hf_model(config), granularity="half")
+    assert chain.granularity == "half" and len(chain.blocks) == 11, chain.notes
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
     results = {"ref_loss": reference.loss, "ref_keys": sorted(reference.state)}
     for key, counts in plans.items():
         schedule, _, shards = key.partition(":")
-        names = chain.names[:-1] + (shard_names(chain.names[-1], int(shards)) if shards
-                                    else chain.names[-1:])
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
-                               num_microbatches=4, names=names)
+                               num_microbatches=4,
+                               blocks=planned_blocks(chain, vocab=int(shards or 0)))
         results[key] = exact_step(config, plan, reference, aliases, recompute)
     return results
 

@@ -7,7 +7,7 @@ import dataclasses
 import random
 
 import pytest
-from solve_helpers import MIB, make_block, make_profile
+from solve_helpers import MIB, half_of, make_block, make_profile
 
 from autopart.solve import make_plan
 from autopart.solve.setting import build_settings
@@ -25,12 +25,13 @@ def halves_profile(seed: int, num_layers: int = 6):
                           output_bytes=rng.choice([1, 40, 120]) * MIB)
         mlp = make_block(f"{layer}.mlp", kind="mlp", fwd_ms=rng.uniform(0.5, 2.5),
                          output_bytes=MIB)
-        blocks += [dataclasses.replace(attn, layer=layer), dataclasses.replace(mlp, layer=layer)]
+        blocks += [dataclasses.replace(attn, parts=half_of(layer, 0)),
+                   dataclasses.replace(mlp, parts=half_of(layer, 1))]
     blocks += [make_block("model.norm", kind="norm", fwd_ms=0.05, output_bytes=MIB),
                make_block("lm_head", kind="head", fwd_ms=rng.uniform(0.5, 3.0))]
     profile = make_profile(blocks, name=f"halves{seed}")
     return dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
-                                                                  granularity="sublayer"))
+                                                                  granularity="half"))
 
 
 def test_a_halves_profile_gets_a_whole_layer_chain():
@@ -54,6 +55,6 @@ def test_halves_never_plan_slower_than_whole_layers(seed, pp):
     profile = halves_profile(seed)
     args = {"pp_size": pp, "num_microbatches": 2 * pp, "schedule": "1f1b", "refine_evals": 0,
             "link_bandwidth_bytes_per_s": 20e9, "link_latency_ms": 0.05}
-    fine = make_plan(profile, granularity="sublayer", **args)
+    fine = make_plan(profile, granularity="half", **args)
     whole = make_plan(profile, granularity="layer", **args)
     assert fine.predicted_step_ms <= whole.predicted_step_ms + 1e-9

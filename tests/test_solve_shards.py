@@ -9,10 +9,13 @@ from solve_helpers import llama_like
 
 from autopart.cost import block_arrays, stage_cost
 from autopart.errors import PlanError
-from autopart.schema import TrainingSetup
-from autopart.solve import make_plan
+from autopart.levels import num_shards, split_head
+from autopart.schema import Part, TrainingSetup
+from autopart.solve import PlanOptions, make_plan
 from autopart.solve.baselines import baseline_split
-from autopart.solve.shards import apply_granularity, cut_bounds, num_shards, split_head
+from autopart.solve.choices import Choice, choices
+from autopart.solve.cuts import cut_bounds
+from autopart.solve.request import resolve_request
 from cli.main import main
 
 
@@ -30,6 +33,8 @@ def test_shards_share_the_head_cost_by_vocabulary_fraction():
     split = split_head(profile, 4)
     shards = split.blocks[-4:]
     assert [b.name for b in shards] == [f"lm_head.shard{i}of4" for i in range(4)]
+    assert [b.parts for b in shards] == [
+        (Part(module="lm_head", axis="vocab", index=i, count=4),) for i in range(4)]
     assert all(b.fwd_ms == pytest.approx(head.fwd_ms / 4) for b in shards)
     assert sum(b.bwd_weight_ms for b in shards) == pytest.approx(head.bwd_weight_ms)
     carry = 2 * 4 * profile.setup.micro_batch_size * (profile.setup.seq_len - 1)
@@ -45,15 +50,22 @@ def test_num_shards_makes_a_shard_a_quarter_layer():
     assert num_shards(_splittable(head_ms=600.0)) == 64  # at most 64
 
 
+def _choices(profile, **options):
+    return choices(profile, resolve_request(profile, PlanOptions(pp_size=2, **options)))
+
+
 def test_granularity_layer_and_targets_keep_the_head_whole():
+    """``auto`` tries the head in 24 shards and whole; the layer level and an export
+    target keep it whole (the target says why); a head that cannot be split stays whole."""
     profile = _splittable()
-    assert apply_granularity(profile, "layer", None) == (profile, [])
-    whole, notes = apply_granularity(profile, "auto", "nxd")
-    assert whole is profile and notes == ["nxd cannot express cuts inside a layer or the "
-                                          "head: planned at layer granularity"]
-    assert apply_granularity(llama_like(4), "auto", None)[0].blocks[-1].name == "lm_head"
+    assert _choices(profile) == ([Choice("layer", 24), Choice("layer", 0)], [])
+    assert _choices(profile, granularity="layer") == ([Choice("layer", 0)], [])
+    assert _choices(profile, target="nxd") == ([Choice("layer")], [
+        "nxd cannot express cuts inside a layer or the head: planned at layer granularity"])
+    assert _choices(llama_like(4)) == ([Choice("layer", 0)], [])
+    assert _choices(profile, split_head=False) == ([Choice("layer", 0)], [])
     with pytest.raises(PlanError, match="unknown granularity"):
-        apply_granularity(profile, "fine", None)
+        PlanOptions(pp_size=2, granularity="fine")
 
 
 def test_baselines_keep_the_split_head_whole():
@@ -78,7 +90,10 @@ def test_auto_granularity_beats_whole_layers_on_a_heavy_head():
     assert layer.predicted_step_ms == pytest.approx(84.36, rel=0.01)
     assert auto.predicted_step_ms == pytest.approx(76.44, rel=0.01)
     assert auto.pipeline_cuts == ("lm_head.shard3of24",)
-    assert auto.granularity == "sublayer" and layer.granularity == "layer"
+    assert auto.granularity == layer.granularity == "layer"
+    assert (auto.head_shards, layer.head_shards) == (24, 0)
+    assert auto.parts["lm_head.shard3of24"] == (
+        Part(module="lm_head", axis="vocab", index=3, count=24),)
 
 
 def test_cuts_are_evaluated_as_given():
@@ -95,11 +110,11 @@ def test_cuts_are_evaluated_as_given():
 
 
 @pytest.mark.parametrize("cuts, message", [
-    (["model.layers.9"], "not a block of the profile"),
-    (["lm_head.shard1of4"], "head shards exist only at --granularity auto or sublayer"),
+    (["model.layers.9"], "not a cut of the profile: no module of the profile has that name"),
+    (["lm_head.shard1of4"], "head shards where the head can be split"),
     (["model.layers.3", "model.layers.1", "model.norm"], "must follow model order"),
     (["model.layers.1", "model.layers.2"], "expected pp * v - 1 (1, 3, ... for pp 2)"),
-    (["lm_head"], "ends with the last block"),
+    (["lm_head"], "the end of the model"),
 ])
 def test_bad_cuts_are_refused(cuts, message):
     profile = llama_like(4)
@@ -114,7 +129,7 @@ def test_cuts_count_against_given_virtual_stages():
 
 
 @pytest.mark.parametrize("cuts, message", [
-    ("model.layers.9", "--cuts names 'model.layers.9', which is not a block"),
+    ("model.layers.9", "--cuts names 'model.layers.9', which is not a cut"),
     ("model.layers.3,model.layers.1,model.norm", "--cuts must follow model order"),
     ("model.layers.1,model.layers.2", "--cuts gives 2 cut(s) (3 stages), expected"),
     ("model.layers.1,", "has an empty name"),
@@ -181,8 +196,9 @@ def test_auto_keeps_the_head_whole_when_the_gradient_zero_fill_costs_more():
     plan = make_plan(slow, **kwargs)
     assert plan.predicted_step_ms == pytest.approx(84.36, rel=0.01)
     assert plan.pipeline_cuts == make_plan(profile, granularity="layer", **kwargs).pipeline_cuts
-    assert any(n.startswith("lm_head kept whole: split into 24 vocabulary shards")
-               for n in plan.notes)
+    assert plan.head_shards == 0
+    assert any(n.startswith("granularity: layer, head whole chosen; also predicted: layer, "
+                            "head in 24 shards") for n in plan.notes)
     fast = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
                                                                   head_grad_ms=0.01))
     assert make_plan(fast, **kwargs).pipeline_cuts == ("lm_head.shard3of24",)

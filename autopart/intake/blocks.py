@@ -9,10 +9,12 @@ and keeps the candidates in the order they are called, with the arguments each
 receives; candidates that no exact pipeline cut can separate are fused into one
 block. No family's module names are written down here: they are what was seen.
 
-At ``sublayer`` granularity each decoder layer's parameter-holding children become
+At the ``half`` level each decoder layer's parameter-holding children become
 candidates too, and the layer splits into its two halves where the trace proves the
 cut between them exact (``autopart.intake.sublayer``); otherwise layers stay whole
-and ``BlockChain.notes`` says why.
+and ``BlockChain.notes`` says why. At ``projection`` each half is cut before its output
+projection too, where exact (``autopart.intake.inner``). A block that is part of a
+module's call says so in ``Block.parts`` (``autopart.schema.parts``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ from torch import nn
 from autopart.errors import ModelSourceError
 from autopart.intake.inner import split_inner
 from autopart.intake.sources import fill_meta_buffers
-from autopart.intake.sublayer import GRANULARITIES, layer_children, split_halves
+from autopart.intake.sublayer import layer_children, split_halves
 from autopart.intake.trace import CallRecord, ForwardTrace, trace_forward
+from autopart.schema.parts import LEVEL_ALIASES, Part
 
-__all__ = ["GRANULARITIES", "Block", "BlockChain", "discover_blocks", "example_inputs",
+__all__ = ["DISCOVERY_LEVELS", "Block", "BlockChain", "discover_blocks", "example_inputs",
            "with_carries"]
+
+DISCOVERY_LEVELS = ("layer", "half", "projection")
+"""The levels whose blocks intake finds in the forward (coarse to fine); ``slice`` parts
+are derived from ``half`` blocks by the planner."""
 
 _LOG = logging.getLogger(__name__)
 
@@ -52,13 +59,18 @@ class Block:
     """Every module FQN of the block in call order (several when calls were fused)."""
     calls: tuple[int, ...] = ()
     """Indices of the block's calls in ``BlockChain.trace.calls``."""
-    layer: str = ""
-    """FQN of the decoder layer this block is a half of (``sublayer`` granularity)."""
+    parts: tuple[Part, ...] = ()
+    """The module calls this block is a part of, outermost first (``autopart.schema.parts``)."""
 
     @property
     def fqns(self) -> tuple[str, ...]:
         """The block's module FQNs (``modules``, or just ``name``)."""
         return self.modules or (self.name,)
+
+    @property
+    def layer(self) -> str:
+        """FQN of the decoder layer this block is a part of (empty for other blocks)."""
+        return self.parts[0].module if self.parts else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +90,16 @@ class BlockChain:
     trace: ForwardTrace | None = None
     """The watched forward: every block call with its stream and context arguments."""
     granularity: str = "layer"
-    """``sublayer`` when decoder layers are split into halves, ``quarter`` when halves are
-    split before their output projection too (``autopart.intake.inner``), else ``layer``."""
+    """The level found (``DISCOVERY_LEVELS``): ``half`` when decoder layers are split into
+    halves, ``projection`` when halves are split before their output projection too
+    (``autopart.intake.inner``), else ``layer``."""
     notes: tuple[str, ...] = ()
     """Why a finer granularity was asked for and layers or halves stay whole, if they do."""
     calls: tuple[str, ...] = ()
     """Module FQNs the forward calls, in order, where they differ from the blocks' modules
-    (``quarter``: a half's module ``P`` is called, its output projection ``C`` too)."""
+    (``projection``: a half's module ``P`` is called, its output projection ``C`` too)."""
     splits: tuple[tuple[int, int], ...] = ()
-    """``(call of P, call of C)`` for every half split before ``C`` (``quarter``)."""
+    """``(call of P, call of C)`` for every half split before ``C`` (``projection``)."""
 
     @property
     def names(self) -> list[str]:
@@ -114,22 +127,24 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
         layer_classes: class names of the repeated layers, overriding discovery.
         leaf_modules: class names never split (each instance outside the layers
             becomes one candidate).
-        granularity: ``layer`` (whole decoder layers), ``sublayer`` (each layer as
-            its attention half and its MLP half where a cut between them is exact;
-            the chain says in ``notes`` why layers stay whole otherwise) or
-            ``quarter`` (each half split before its output projection too where that
-            cut is exact, ``autopart.intake.inner``).
+        granularity: the finest level to look for (``DISCOVERY_LEVELS``, schema 1 names
+            too): ``layer`` (whole decoder layers), ``half`` (each layer as its attention
+            half and its MLP half where a cut between them is exact; the chain says in
+            ``notes`` why layers stay whole otherwise) or ``projection`` (each half split
+            before its output projection too where that cut is exact,
+            ``autopart.intake.inner``).
 
     Returns:
-        The ``BlockChain``. Its fingerprint does not depend on the granularity.
+        The ``BlockChain``. Its fingerprint does not depend on the level.
 
     Raises:
         ModelSourceError: no candidate blocks, a forward autopart cannot pipeline, or
-            an unknown granularity.
+            an unknown level.
     """
-    if granularity not in GRANULARITIES:
-        raise ModelSourceError(f"granularity {granularity!r} is not one of {GRANULARITIES}; "
-                               f"use --granularity {' or '.join(GRANULARITIES)}")
+    granularity = LEVEL_ALIASES.get(granularity, granularity)
+    if granularity not in DISCOVERY_LEVELS:
+        raise ModelSourceError(f"granularity {granularity!r} is not one of "
+                               f"{', '.join(DISCOVERY_LEVELS)}")
     what = type(model).__name__
     if isinstance(model, nn.Sequential) and layer_classes is None:
         candidates = [n for n, _ in model.named_children()]
@@ -165,7 +180,7 @@ def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
                        layer_class_names=classes, shared_modules=shared, trace=trace)
     if granularity != "layer":
         chain = _split_layers(model, chain, layers, what)
-    if granularity == "quarter" and chain.granularity == "sublayer":
+    if granularity == "projection" and chain.granularity == "half":
         chain = split_inner(model, chain, lambda m, c, w: _watch(m, c, w, carry=True), what)
     return chain
 
@@ -176,7 +191,7 @@ def with_carries(model: nn.Module, chain: BlockChain) -> BlockChain:
 
     A cut inside a half's module ``P`` (``autopart.intake.half_slices``) falls inside the
     half's block, so the residual crossing it rides along as the argument of an earlier
-    call it is (the half's norm's input), as at a ``quarter`` cut.
+    call it is (the half's norm's input), as at a ``projection`` cut.
     """
     if chain.trace is None or chain.trace.carries:
         return chain
@@ -214,7 +229,7 @@ def _split_layers(model: nn.Module, chain: BlockChain, layers: set[str],
         return replace(chain, notes=(f"decoder layers stay whole: {reason}",))
     shared = tuple(_shared(model, {f for b in blocks for f in b.fqns}, layers))
     return replace(chain, blocks=blocks, trace=trace, shared_modules=shared,
-                   granularity="sublayer")
+                   granularity="half")
 
 
 def example_inputs(model: nn.Module, candidates: list[str], micro_batch_size: int,

@@ -4,10 +4,9 @@ A half's module ``P`` whose output is a sum over independent units can be cut
 *inside* its call. The MLP ``down(act(gate(x)) * up(x))`` is the sum over its
 intermediate columns ``j`` of ``down[:, j] * act(gate[j] x) * up[j] x``; the attention
 ``o(attn(q(x), k(x), v(x)))`` is the sum over its KV heads (each with its group of
-query heads) of ``o[:, heads] attn_g(...)``. Slice ``i`` of ``k`` covers the units
-``[i * U // k, (i + 1) * U // k)`` and is named ``<half>.slice<i>of<k>``
-(``model.layers.3.mlp.slice1of4``), like the head's vocabulary shards
-(``autopart.intake.head_split``). A stage ending inside ``P`` sends ``P``'s input,
+query heads) of ``o[:, heads] attn_g(...)``. Slice ``i`` of ``k`` (a part of ``P``'s call
+along ``units``, ``autopart.schema.parts``; named ``model.layers.3.mlp.slice1of4``) covers
+the units ``[i * U // k, (i + 1) * U // k)``. A stage ending inside ``P`` sends ``P``'s input,
 the values crossing beside it (the residual) and the sum of its slices' outputs so
 far; the next stage adds its slices and the model's code goes on exactly as in the
 unpipelined model. Every rank with a slice holds ``P`` whole and the ranks sum its
@@ -26,52 +25,19 @@ offers the slices.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopart.intake.head_split import parse_part, parse_shard
-
-if TYPE_CHECKING:  # slice names are plain strings: planning must not import torch
+if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["SliceRule", "check_slices", "collapse_parts", "parse_slice", "partial_forward",
-           "slice_name", "slice_names", "slice_rule", "unit_range"]
-
-_SLICE = re.compile(r"^(?P<half>.+)\.slice(?P<idx>\d+)of(?P<num>\d+)$")
-
-
-def slice_name(half: str, idx: int, num: int) -> str:
-    """``model.layers.3.mlp.slice{idx}of{num}``: the block name of one slice of a half."""
-    return f"{half}.slice{idx}of{num}"
-
-
-def slice_names(half: str, num: int) -> list[str]:
-    """The names of all ``num`` slices of ``half``, in order."""
-    return [slice_name(half, i, num) for i in range(num)]
-
-
-def parse_slice(name: str) -> tuple[str, int, int] | None:
-    """``(half, idx, num)`` of a slice block name, or ``None`` for other names."""
-    return parse_part(_SLICE, name)
+__all__ = ["SliceRule", "add_outputs", "check_slices", "main_output", "partial_forward",
+           "slice_rule", "unit_range"]
 
 
 def unit_range(idx: int, num: int, units: int) -> tuple[int, int]:
     """Units ``[lo, hi)`` (MLP columns, KV heads) that slice ``idx`` of ``num`` covers."""
     return idx * units // num, (idx + 1) * units // num
-
-
-def collapse_parts(names: Sequence[str]) -> list[str]:
-    """Block names with every head shard and half slice replaced by the block it is part
-    of, each listed once."""
-    out: list[str] = []
-    for name in names:
-        parsed = parse_shard(name) or parse_slice(name)
-        base = parsed[0] if parsed else name
-        if not (parsed and out and out[-1] == base):
-            out.append(base)
-    return out
 
 
 @dataclass(frozen=True)

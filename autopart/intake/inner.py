@@ -1,6 +1,6 @@
 """Cut inside a decoder layer's halves, before each half's output projection, where exact.
 
-At ``quarter`` granularity each half of a decoder layer (``autopart.intake.sublayer``)
+At the ``projection`` level each half of a decoder layer (``autopart.intake.sublayer``)
 whose main module ``P`` (the attention, the MLP) holds two or more parameter-holding
 children is split before the last child ``C`` it calls (``o_proj``, ``down_proj``):
 block one runs the half up to ``C`` (its norm, then ``P``'s own forward until it
@@ -31,6 +31,7 @@ from dataclasses import replace
 from torch import nn
 
 from autopart.intake.trace import CallRecord, ForwardTrace
+from autopart.schema.parts import Part
 
 __all__ = ["split_inner"]
 
@@ -81,16 +82,17 @@ def _refusal(order: list[str], trace: ForwardTrace, parent: str, kids: list[str]
 
 
 def split_inner(model: nn.Module, chain, watch: Watch, what: str):
-    """``chain`` (``sublayer``) with every half split before its output projection.
+    """``chain`` (``half``) with every half split before its output projection.
 
     Args:
         model: the model (parameters on meta).
-        chain: its ``BlockChain`` at ``sublayer`` granularity.
+        chain: its ``BlockChain`` at the ``half`` level.
         watch: traces the forward with ``carry=True``.
         what: the model's name for messages.
 
     Returns:
-        The ``quarter`` chain, or ``chain`` with a note when no half splits.
+        The ``projection`` chain (each piece a part of ``P``'s call as well as of its
+        layer's), or ``chain`` with a note when no half splits.
     """
     from autopart.intake.blocks import BlockChain  # the chain type lives beside discovery
 
@@ -156,14 +158,16 @@ def _rebuild(model: nn.Module, chain, order: list[str], inner: ForwardTrace, cut
         child = order[cut_of[parent]]
         kids = [f for f in order if f.startswith(parent + ".") and f != child]
         after = (child, *block.fqns[pos + 1:])
+        piece = [(*block.parts, Part(module=parent, axis="calls", index=i, count=2))
+                 for i in range(2)]
         blocks.append(replace(block, name=kids[-1], modules=(*block.fqns[:pos], *kids),
-                              calls=calls[:pos + 1],
+                              calls=calls[:pos + 1], parts=piece[0],
                               class_name=type(model.get_submodule(kids[-1])).__name__))
         blocks.append(replace(block, name=after[-1], modules=after if len(after) > 1 else (),
-                              calls=(index[child], *calls[pos + 1:]),
+                              calls=(index[child], *calls[pos + 1:]), parts=piece[1],
                               class_name=type(model.get_submodule(after[-1])).__name__))
     notes = chain.notes + ((f"some halves stay whole: {reasons[0]}",) if reasons else ())
-    return replace(chain, blocks=tuple(blocks), trace=trace, granularity="quarter",
+    return replace(chain, blocks=tuple(blocks), trace=trace, granularity="projection",
                    calls=tuple(fqns), splits=tuple((index[p], index[order[c]])
                                                    for p, c in cut_of.items()),
                    notes=notes)

@@ -1,6 +1,6 @@
 """Split decoder layers into their attention half and their MLP half, where that is exact.
 
-At ``sublayer`` granularity the candidates inside a decoder layer are its
+At the ``half`` level the candidates inside a decoder layer are its
 parameter-holding children (``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, ``mlp``: whatever the layer holds, in call order),
 and the layer's own code (residual adds) runs as glue between them. The trace
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from autopart.schema import GRANULARITIES
+from autopart.schema.parts import Part
 
 if TYPE_CHECKING:
     from autopart.intake.blocks import Block
 
-__all__ = ["GRANULARITIES", "HALF_KINDS", "layer_children", "split_halves"]
+__all__ = ["HALF_KINDS", "layer_children", "split_halves"]
 
 HALF_KINDS = ("attention", "mlp")
 """Block kinds of a layer's first half (input norm, attention) and second (norm, MLP or MoE)."""
@@ -70,7 +70,8 @@ def split_halves(blocks: tuple[Block, ...], children: dict[str, list[str]]
         children: ``layer_children``'s map.
 
     Returns:
-        ``(blocks with kinds attention/mlp and their layer set, "")`` or ``((), reason)``.
+        ``(blocks with kinds attention/mlp, each a part of its layer, "")`` or
+        ``((), reason)``.
     """
     out = list(blocks)
     for layer, kids in children.items():
@@ -89,6 +90,7 @@ def split_halves(blocks: tuple[Block, ...], children: dict[str, list[str]]
                    "stream (a residual kept beside it, or attention and MLP in parallel)"
                    if len(group) == 1 else "not one attention half and one MLP half")
             return (), f"{layer} splits exactly only as [{parts}]: {why}"
-        for i, kind in zip(group, HALF_KINDS):
-            out[i] = replace(blocks[i], kind=kind, layer=layer)
+        for n, (i, kind) in enumerate(zip(group, HALF_KINDS)):
+            out[i] = replace(blocks[i], kind=kind,
+                             parts=(Part(module=layer, axis="calls", index=n, count=2),))
     return tuple(out), ""

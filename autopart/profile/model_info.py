@@ -21,12 +21,13 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
         notes.append(f"attention: eager; transformers has no SDPA attention for "
                      f"{config.model_type}, so it is profiled and trained with eager")
     notes.extend(chain.notes)
-    if chain.granularity == "quarter":
-        notes.append("quarter: decoder layer halves are split before their output projection "
-                     "where exact (attention up to o_proj, o_proj, MLP up to down_proj, "
-                     "down_proj in Llama-like layers); the residual crosses those cuts too")
-    if chain.granularity == "sublayer":
-        notes.append("sublayer: each decoder layer is two blocks, its attention half and its "
+    if chain.granularity == "projection":
+        notes.append("projection: decoder layer halves are split before their output "
+                     "projection where exact (attention up to o_proj, o_proj, MLP up to "
+                     "down_proj, down_proj in Llama-like layers); the residual crosses those "
+                     "cuts too")
+    if chain.granularity == "half":
+        notes.append("half: each decoder layer is two blocks, its attention half and its "
                      "MLP half, each named by its last module (a cut falls after it)")
     for block in chain.blocks:
         if block.modules and not block.layer:
@@ -51,7 +52,7 @@ def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile
     config = loaded.config
     hf = chain.family == "hf_causal_lm" and config is not None
     num_layers = sum(1 for b in chain.blocks if b.kind == "decoder_layer")
-    if chain.granularity in ("sublayer", "quarter"):
+    if chain.granularity != "layer":
         num_layers = len({b.layer for b in chain.blocks if b.layer})
     elif not hf:
         num_layers = sum(1 for b in chain.blocks if b.class_name in chain.layer_class_names)
@@ -66,6 +67,7 @@ def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile
         shared_modules=chain.shared_modules,
         head_split_rows=_head_split_rows(loaded.model, chain),
         slice_units=slices.units() if slices is not None else {},
+        slice_modules=slices.modules() if slices is not None else {},
         notes=tuple(model_notes(loaded.model, chain, blocks)
                     + (slices.notes() if slices is not None else [])))
 

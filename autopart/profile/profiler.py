@@ -58,7 +58,7 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
                   micro_batch_size: int = 1, seq_len: int = 128, dtype: str = "float32",
                   num_warmup: int = 3, num_repeats: int = 10,
                   layer_classes: list[str] | None = None, leaf_modules: list[str] | None = None,
-                  granularity: str = "layer", neighbours: int = 0,
+                  granularity: str = "projection", neighbours: int = 0,
                   progress: ProgressFn | None = None) -> Profile:
     """Profile every block of ``source`` for one microbatch of training.
 
@@ -78,10 +78,12 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_repeats: Timed runs per block (the median is kept).
         layer_classes: Class names of the repeated layers, overriding discovery.
         leaf_modules: Class names never split into smaller blocks.
-        granularity: ``layer``, or ``sublayer`` to profile each decoder layer as its
-            attention half and its MLP half (identical halves measured once); a
-            family whose layers cannot be split exactly stays whole, and the
-            profile's ``setup.granularity`` and notes say so.
+        granularity: The finest level to measure (``autopart.schema.parts.LEVELS``):
+            ``projection`` (the default: each decoder layer's attention and MLP halves,
+            each cut before its output projection where that cut is exact), ``half`` or
+            ``layer``. Identical parts are measured once; where a family's layers or
+            halves cannot be cut exactly they stay whole, and the profile's
+            ``setup.granularity`` and notes say so.
         neighbours: CPU only: other processes that profile the same model on this
             machine while it is measured, standing in for the pipeline's other ranks
             (``autopart profile --pp N``: ``N - 1``); ``source`` must then be a string
@@ -140,11 +142,24 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         num_threads=torch.get_num_threads(), glue_fwd_ms=round(glue_ms, 4),
         head_grad_ms=round(head_grad, 6),
         load_average=() if backend.startswith("analytical") else (load_before, load_after),
-        neighbours=neighbours,
+        neighbours=neighbours, device_memory_bytes=_device_memory_bytes(engine),
         attn_implementation=str(getattr(getattr(model, "config", None),
                                         "_attn_implementation", "") or ""),
         granularity=chain.granularity)
     return Profile(model=info, setup=setup, blocks=tuple(blocks))
+
+
+def _device_memory_bytes(engine: _Engine) -> int:
+    """The profiled device's memory (``ProfileSetup.device_memory_bytes``; 0: unknown)."""
+    if isinstance(engine, AnalyticalEngine):
+        return engine.spec.memory_bytes
+    if engine.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(engine.device).total_memory)
+    if engine.device.type == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    return 0
 
 
 def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: str) -> float:
@@ -336,7 +351,7 @@ def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockP
         num_measurements=max(x.num_measurements for x in t),
         compile_ms=sum(x.compile_ms for x in t), class_name=block.class_name,
         reused_from=twin if twin != block.name else None, modules=block.modules,
-        layer=block.layer,
+        parts=block.parts,
         expert_load=next((c.expert_load for c in calls if c.expert_load), ()))
 
 

@@ -31,7 +31,8 @@ class SliceChecks:
 
     def __init__(self, model: nn.Module, chain: BlockChain) -> None:
         self._calls: dict[int, tuple[str, SliceRule]] = {}
-        # (layer, kind) -> the half's calls (two blocks at quarter granularity)
+        self._relative: dict[str, set[str]] = {k: set() for k in _KINDS}
+        # (layer, kind) -> the half's calls (two blocks at the projection level)
         halves: dict[tuple[str, str], list[int]] = {}
         for block in chain.blocks:
             if block.layer and block.kind in _KINDS:
@@ -39,13 +40,14 @@ class SliceChecks:
         self._halves = {k: sum(1 for _, kind in halves if kind == k) for k in _KINDS}
         self._why: dict[str, str] = {}
         seen: dict[str, set] = {k: set() for k in _KINDS}
-        for (_, kind), calls in halves.items():
+        for (layer, kind), calls in halves.items():
             modules = [model.get_submodule(chain.call_fqns[call]) for call in calls]
             found = [(call, *slice_rule(m)) for call, m in zip(calls, modules)]
             ruled = [(call, rule) for call, rule, _ in found if rule is not None]
             if ruled:
                 self._calls[ruled[0][0]] = (kind, ruled[0][1])
                 seen[kind].add(ruled[0][1].units)
+                self._relative[kind].add(chain.call_fqns[ruled[0][0]][len(layer) + 1:])
             else:
                 main = max(range(len(calls)), key=lambda i: _size(modules[i]))
                 self._why.setdefault(kind, found[main][2])  # the half's largest module's
@@ -53,6 +55,9 @@ class SliceChecks:
         for kind, units in seen.items():
             if len(units) > 1:
                 self._why[kind] = f"{kind} halves differ in their units ({sorted(units)})"
+            elif len(self._relative[kind]) > 1:
+                self._why[kind] = (f"{kind} halves sum over differently named modules "
+                                   f"({sorted(self._relative[kind])})")
         self._checked: set[tuple[str, str]] = set()
 
     def visit(self, idx: int, original: nn.Module, args: tuple, kwargs: dict,
@@ -76,6 +81,11 @@ class SliceChecks:
         counted = {k: sum(1 for kind, _ in self._calls.values() if kind == k) for k in _KINDS}
         return {k: u for k, u in sorted(self._units.items())
                 if k not in self._why and counted[k] == self._halves[k] > 0}
+
+    def modules(self) -> dict[str, str]:
+        """``{kind: name}`` of the module each offered kind's halves sum over units, by its
+        name inside the layer (``ModelInfo.slice_modules``)."""
+        return {k: next(iter(self._relative[k])) for k in self.units()}
 
     def notes(self) -> list[str]:
         """One line per half kind that stays uncut inside its call, with the reason."""

@@ -53,7 +53,8 @@ def profile_tp_shard(profile: Profile, tp: int) -> Profile | None:
     """The analytical profile of one TP shard of ``profile``'s model.
 
     Args:
-        profile: An analytical profile of an HF model from a preset or a config path.
+        profile: An analytical profile of an HF model from a preset or a config path (the
+            shard is profiled at its level).
         tp: Tensor-parallel degree.
 
     Returns:
@@ -73,7 +74,8 @@ def profile_tp_shard(profile: Profile, tp: int) -> Profile | None:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(shard_config(config, tp)))
         shard = profile_model(str(path), backend=setup.backend, seq_len=setup.seq_len,
-                              micro_batch_size=setup.micro_batch_size, dtype=setup.dtype)
+                              micro_batch_size=setup.micro_batch_size, dtype=setup.dtype,
+                              granularity=setup.granularity)
     same = [(b.kind, b.name) for b in shard.blocks] == [(b.kind, b.name) for b in profile.blocks]
     return shard if same else None
 

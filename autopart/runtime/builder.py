@@ -22,20 +22,19 @@ from torch import nn
 from autopart.errors import RuntimeSetupError
 from autopart.intake import BlockChain, discover_blocks, load_model
 from autopart.intake.blocks import with_carries
-from autopart.intake.half_slices import collapse_parts, parse_slice
 from autopart.intake.sources import move_outside_blocks
 from autopart.runtime.groups import Groups, resolve_groups
 from autopart.runtime.loss import HeadShardLoss, TokenMeanLoss
 from autopart.runtime.materialize import materialize_blocks
 from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
+from autopart.runtime.planned import base_names, chain_level, derived_parts
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
 from autopart.runtime.tensor_parallel import apply_tensor_parallel, tp_plan_of
 from autopart.runtime.tree import prune
 from autopart.runtime.validate import (
-    check_half_slices,
-    check_head_split,
     check_model,
+    check_parts,
     check_plan,
     recompute_rule,
     thread_mismatch,
@@ -110,14 +109,14 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
     if loss_fn is not None:  # a split head computes its own loss: keep it whole
-        plan_options = {"granularity": "layer", **(plan_options or {})}
+        plan_options = {"split_head": False, **(plan_options or {})}
     groups, plan_obj, tp_plan = _groups_and_plan(plan, model_or_source, root, chain, pp_group,
                                                  device_mesh, dev, plan_options)
     chain = chain_for_plan(root, chain, plan_obj)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
-    split_head = check_head_split(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
-    check_half_slices(plan_obj, chain, root)
+    parts = check_parts(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
+    split_head = any(d.part.axis == "vocab" for d in parts)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
@@ -141,13 +140,14 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     ties = tied_parameters(root, chain)
     aliases = {later: first for first, later in ties}
 
-    held = [dataclasses.replace(s, modules=tuple(collapse_parts(s.modules))) for s in mine]
+    held = [dataclasses.replace(s, modules=tuple(base_names(plan_obj, chain, s.modules)))
+            for s in mine]
     module = _materialize(root, chain, held, dev, dtype=dtype, param_init_fn=param_init_fn,
                           checkpoint_path=checkpoint_path, init_seed=init_seed,
                           aliases=aliases, ties=ties)
     tp_grad_sum = apply_tensor_parallel(module, tp_plan, groups.tp_mesh) \
         if tp_plan is not None and groups.tp_mesh is not None else []
-    stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
+    stage_modules = build_stage_modules(root, chain, plan_obj, mine, recompute=recompute,
                                         autocast_dtype=autocast_dtype,
                                         split_backward=info.split_backward)
     tied = _share_across_ranks(module, plan_obj, chain, groups, ties)
@@ -186,16 +186,14 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
 
 
 def chain_for_plan(root: nn.Module, chain: BlockChain, plan: Plan) -> BlockChain:
-    """``chain`` at the granularity ``plan`` was made at (its blocks name the halves of
-    decoder layers when it was planned from a ``sublayer`` profile, their parts from a
-    ``quarter`` one), with what crosses each cut traced when the plan cuts inside a half's
-    module (``with_carries``: the residual beside a slice cut)."""
-    listed = [m for stage in plan.stages for m in stage.modules]
-    planned = set(collapse_parts(listed))
-    found = chain if planned <= set(chain.names) else next(
-        (finer for finer in (discover_blocks(root, granularity=g) for g in ("sublayer", "quarter"))
-         if planned <= set(finer.names)), chain)
-    return with_carries(root, found) if any(map(parse_slice, listed)) else found
+    """``chain`` at the level ``plan`` was made at (``autopart.runtime.planned.chain_level``:
+    its blocks are the plan's, parts along ``calls`` included), with what crosses each cut
+    traced when the plan cuts a half by units (``with_carries``: the residual beside a
+    slice cut)."""
+    level = chain_level(plan)
+    found = chain if level == chain.granularity else discover_blocks(root, granularity=level)
+    units = any(p and p[-1].axis == "units" for p in plan.parts.values())
+    return with_carries(root, found) if units else found
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -262,7 +260,7 @@ def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups
                                 f"across ranks; untie the others")
     ranks_of: dict[str, set[int]] = {}
     for stage in plan.stages:
-        for name in collapse_parts(stage.modules):
+        for name in base_names(plan, chain, stage.modules):
             ranks_of.setdefault(name, set()).add(stage.rank)
     holders: dict[str, set[int]] = {}  # parameter FQN -> ranks holding it
     for first, later in ties:
@@ -274,7 +272,7 @@ def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups
         if name.startswith(head + ".") and name not in tied_fqns:
             holders[name] = ranks_of[head]
     blocks = {b.name: b for b in chain.blocks}
-    for half in {p[0] for s in plan.stages for p in map(parse_slice, s.modules) if p}:
+    for half in {d.base for d in derived_parts(plan, chain) if d.part.axis == "units"}:
         prefixes = tuple(f + "." for f in blocks[half].fqns)
         for name, _ in module.named_parameters():
             if name.startswith(prefixes):

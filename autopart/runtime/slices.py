@@ -1,8 +1,8 @@
 """A stage's part of a decoder-layer half cut inside its module ``P`` (half slices).
 
-A plan may cut a half's module ``P`` (``model.layers.3.mlp``) into slices
-(``model.layers.3.mlp.slice1of4``, ``autopart.intake.half_slices``). A stage whose
-names begin with slice ``i > 0`` of ``P`` *starts inside* ``P``: its first call is
+A plan may cut a half's module ``P`` (``model.layers.3.mlp``) into slices: parts along
+``units`` (``model.layers.3.mlp.slice1of4``, ``autopart.intake.half_slices``). A stage
+whose blocks begin with slice ``i > 0`` of ``P`` *starts inside* ``P``: its first call is
 ``P``'s, with ``P``'s stream arguments, the residual and the partial output of the
 slices before it received; it adds its own slices' output to the received partial and
 the model's code goes on with ``P``'s whole output. A stage whose names end with
@@ -26,11 +26,11 @@ from autopart.intake import BlockChain
 from autopart.intake.half_slices import (
     SliceRule,
     add_outputs,
-    parse_slice,
     partial_forward,
     slice_rule,
     unit_range,
 )
+from autopart.schema import Part
 
 __all__ = ["Partial", "plus_partial", "run_partial", "stage_partials"]
 
@@ -51,29 +51,24 @@ class Partial:
     """The stage stops at ``P``'s call (it sends its partial on)."""
 
 
-def stage_partials(root: nn.Module, chain: BlockChain, block_names: list[str]
-                   ) -> list[Partial]:
+def stage_partials(root: nn.Module, chain: BlockChain, parts: list[Part]) -> list[Partial]:
     """The halves this stage holds only some slices of (at most two: the one it starts
     inside, the one it ends inside; one when it lies inside a single half).
 
     Args:
         root: the model (its halves' modules, on any device).
-        chain: its block chain (``sublayer``).
-        block_names: the stage's block names, slices included (validated).
+        chain: its block chain (``half``).
+        parts: the stage's parts along ``units``, in order (validated).
 
     Returns:
         One ``Partial`` per half cut at this stage's start or end, in call order.
     """
-    groups: list[tuple[str, int, int, int]] = []  # (half, first idx, last idx, num)
-    for name in block_names:
-        parsed = parse_slice(name)
-        if parsed is None:
-            continue
-        half, idx, num = parsed
-        if groups and groups[-1][0] == half:
-            groups[-1] = (half, groups[-1][1], idx, num)
+    groups: list[tuple[str, int, int, int]] = []  # (module, first idx, last idx, count)
+    for part in parts:
+        if groups and groups[-1][0] == part.module:
+            groups[-1] = (part.module, groups[-1][1], part.index, part.count)
         else:
-            groups.append((half, idx, idx, num))
+            groups.append((part.module, part.index, part.index, part.count))
     calls = chain.call_fqns
     out = []
     for half, first, last, num in groups:
@@ -81,7 +76,7 @@ def stage_partials(root: nn.Module, chain: BlockChain, block_names: list[str]
             continue  # every slice here: the half runs whole
         module = root.get_submodule(half)
         rule, why = slice_rule(module)
-        assert rule is not None, why  # validate.check_half_slices refused it otherwise
+        assert rule is not None, why  # validate.check_parts refused it otherwise
         lo, hi = unit_range(first, num, rule.units)[0], unit_range(last, num, rule.units)[1]
         out.append(Partial(call=calls.index(half), module=module, rule=rule, lo=lo, hi=hi,
                            starts_inside=first > 0, ends_inside=last < num - 1))

@@ -14,13 +14,13 @@ FQNs and runs the **model's own forward** for every microbatch, with
   are what the stage sends on. The last stage returns the model's output (HF:
   the logits).
 
-A stage holding vocabulary shards of the head (``lm_head.shard1of4``, see
+A stage holding vocabulary parts of the head (``lm_head.shard1of4``, see
 ``autopart.intake.head_split``) computes its rows' logits at the head call and
 sends the head's input on with the running (log-sum-exp, target logit) values
 (``autopart.runtime.head_shards``); a stage that starts inside the head skips the
 model's forward; the last shard stage returns per-position losses.
 
-A stage may start or end inside a half's module ``P`` cut into slices
+A stage may start or end inside a half's module ``P`` cut by units into slices
 (``model.layers.3.mlp.slice1of4``, ``autopart.runtime.slices``): ending inside, it
 computes ``P`` from its slices' units at ``P``'s call and sends ``P``'s input, the
 residual and that partial output; starting inside, its first call is ``P``'s, whose
@@ -56,9 +56,10 @@ from autopart.intake.forward import (
     leaf_paths,
     model_output_tensor,
 )
-from autopart.intake.half_slices import collapse_parts, main_output
-from autopart.intake.head_split import parse_shard, vocab_range
+from autopart.intake.half_slices import main_output
+from autopart.intake.head_split import vocab_range
 from autopart.runtime.head_shards import HeadCarry, shard_carry, token_losses
+from autopart.runtime.planned import DerivedPart, base_names, derived_parts
 from autopart.runtime.slices import Partial, plus_partial, run_partial, stage_partials
 from autopart.runtime.tree import Tree, prune
 from autopart.schedules import schedule_info
@@ -79,20 +80,20 @@ def input_kwarg(idx: int) -> str:
 class ForwardStage(Tree):
     """Blocks of ``root`` run inside the model's own forward (see the module docstring)."""
 
-    def __init__(self, root: nn.Module, chain: BlockChain, block_names: list[str], *,
-                 recompute: bool = False,
+    def __init__(self, root: nn.Module, chain: BlockChain, bases: list[str],
+                 derived: list[DerivedPart], *, recompute: bool = False,
                  autocast_dtype: torch.dtype | None = None,
                  split_backward: bool = False) -> None:
         super().__init__()
         index = {b.name: i for i, b in enumerate(chain.blocks)}
-        blocks = [chain.blocks[index[n]] for n in collapse_parts(block_names)]
-        shards = [p for p in map(parse_shard, block_names) if p is not None]
+        blocks = [chain.blocks[index[n]] for n in bases]
+        shards = [d.part for d in derived if d.part.axis == "vocab"]
         prune(root, [f for b in blocks for f in b.fqns], into=self)
         object.__setattr__(self, "_root", root)  # the skeleton: not a submodule of the stage
         self.config = getattr(root, "config", None)
         self._calls = chain.call_fqns
         # a stage may start and/or end inside a half's module P (``autopart.runtime.slices``)
-        partials = stage_partials(root, chain, block_names)
+        partials = stage_partials(root, chain, [d.part for d in derived if d.part.axis == "units"])
         self._partials = {p.call: p for p in partials}
         starts = [p.call for p in partials if p.starts_inside]
         ends = [p.call for p in partials if p.ends_inside]
@@ -110,13 +111,13 @@ class ForwardStage(Tree):
         self._split_at = dict(chain.splits)  # call of a split half's module P -> call of C
         self._shards = None  # (head module, first row, end row, starts inside the head)
         if shards:
-            head = root.get_submodule(shards[0][0])
-            num = shards[0][2]
-            rows = (vocab_range(shards[0][1], num, head.weight.shape[0])[0],
-                    vocab_range(shards[-1][1], num, head.weight.shape[0])[1])
-            self._shards = (head, *rows, parse_shard(block_names[0]) is not None
-                            and shards[0][1] > 0)
-            self.is_last = shards[-1][1] == num - 1
+            head = root.get_submodule(shards[0].module)
+            rows = (vocab_range(shards[0].index, shards[0].count, head.weight.shape[0])[0],
+                    vocab_range(shards[-1].index, shards[-1].count, head.weight.shape[0])[1])
+            starts_inside = derived[0].part.axis == "vocab" and len(bases) == 1 \
+                and not shards[0].first
+            self._shards = (head, *rows, starts_inside)
+            self.is_last = shards[-1].last
         self._const_kwargs = {"use_cache": False} if chain.family == "hf_causal_lm" else {}
         self._reuse = bool(chain.trace is not None and chain.trace.stream_reused
                            or self._carry_in)
@@ -282,14 +283,16 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_meta else torch.empty_like(t, device="meta")
 
 
-def build_stage_modules(root: nn.Module, chain: BlockChain, stages: list[StagePlan], *,
-                        recompute: Callable[[StagePlan], bool],
+def build_stage_modules(root: nn.Module, chain: BlockChain, plan: Plan,
+                        stages: list[StagePlan], *, recompute: Callable[[StagePlan], bool],
                         autocast_dtype: torch.dtype | None,
                         split_backward: bool = False) -> list[nn.Module]:
     """One stage module per stage plan (already materialized blocks of ``root``);
     ``split_backward``: the schedule computes weight gradients apart (zero-bubble)."""
-    return [ForwardStage(root, chain, list(stage.modules), recompute=recompute(stage),
-                         autocast_dtype=autocast_dtype, split_backward=split_backward)
+    return [ForwardStage(root, chain, base_names(plan, chain, stage.modules),
+                         derived_parts(plan, chain, [stage.index]),
+                         recompute=recompute(stage), autocast_dtype=autocast_dtype,
+                         split_backward=split_backward)
             for stage in stages]
 
 

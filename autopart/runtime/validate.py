@@ -14,17 +14,13 @@ from torch import nn
 
 from autopart.errors import PlanError, RuntimeSetupError
 from autopart.intake import BlockChain
-from autopart.intake.half_slices import collapse_parts, parse_slice, slice_names, slice_rule
-from autopart.intake.head_split import (
-    head_split_refusal,
-    parse_shard,
-    shard_names,
-)
+from autopart.intake.half_slices import slice_rule
+from autopart.intake.head_split import head_split_refusal
+from autopart.runtime.planned import DerivedPart, base_names, derived_parts
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
 
-__all__ = ["check_half_slices", "check_head_split", "check_model", "check_plan", "recompute_rule",
-           "thread_mismatch"]
+__all__ = ["check_model", "check_parts", "check_plan", "recompute_rule", "thread_mismatch"]
 
 
 def thread_mismatch(profile_threads: int, rank_threads: int, *, pp_size: int,
@@ -114,8 +110,8 @@ def _warn_plan_mismatch(plan: Plan, dp_size: int) -> None:
 
 def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
     names = chain.names
-    planned = collapse_parts([m for stage in sorted(plan.stages, key=lambda s: s.index)
-                               for m in stage.modules])
+    planned = base_names(plan, chain, [m for stage in sorted(plan.stages, key=lambda s: s.index)
+                                       for m in stage.modules], where)
     if planned == names:
         if any(not stage.modules for stage in plan.stages):
             raise RuntimeSetupError(f"{where} has an empty stage; regenerate the plan")
@@ -132,33 +128,57 @@ def _check_modules(plan: Plan, chain: BlockChain, where: str) -> None:
                             f"{len(names)} in all); make the plan from this model's profile")
 
 
-def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
-                     has_loss_fn: bool, where: str = "the plan") -> bool:
-    """True when ``plan`` splits the head into vocabulary shards this model can run.
+def check_parts(plan: Plan, chain: BlockChain, root: nn.Module, *, has_loss_fn: bool,
+                where: str = "the plan") -> list[DerivedPart]:
+    """The derived parts of ``plan`` (the head by vocabulary, halves by units), checked to
+    run on this model: the one runtime check of parts.
+
+    ``chain`` must carry ``trace.carries`` (``autopart.intake.blocks.with_carries``) when
+    the plan cuts a half by units.
+
+    Returns:
+        The plan's derived parts in model order (empty when it has none).
 
     Raises:
-        RuntimeSetupError: the shards are not ``<head>.shard0ofK`` .. ``shard{K-1}ofK`` in
-            order, the split block is not the model's head, the head cannot be split
-            (``head_split_refusal``), or a custom ``loss_fn`` is given.
+        RuntimeSetupError: the parts of a module are not ``0 .. k-1`` once each, in order;
+            the module's block cannot be cut that way here (the head of an HF causal LM
+            that ``head_split_refusal`` accepts; a decoder-layer half whose module
+            ``slice_rule`` splits into at least k units, with nothing made by the model's
+            code before it crossing the cut); tp above 1; or a custom ``loss_fn`` with the
+            head cut.
     """
-    planned = [m for stage in sorted(plan.stages, key=lambda s: s.index) for m in stage.modules]
-    shards = [(m, parse_shard(m)) for m in planned if parse_shard(m) is not None]
-    if not shards:
-        return False
-    head, _, num = shards[0][1]
-    if plan.tp_size > 1:
-        raise RuntimeSetupError(f"{where} splits {head} by vocabulary and shards it over tp "
-                                f"{plan.tp_size}; plan tensor parallelism with --granularity "
-                                f"layer")
+    found = derived_parts(plan, chain, where=where)
+    modules: dict[str, list[DerivedPart]] = {}
+    for item in found:
+        modules.setdefault(item.part.module, []).append(item)
+    for module, items in modules.items():
+        parts = [d.part for d in items]
+        count = parts[0].count
+        if [(p.axis, p.index, p.count) for p in parts] != [
+                (parts[0].axis, i, count) for i in range(count)]:
+            raise RuntimeSetupError(f"{where} lists parts {[d.name for d in items][:4]} of "
+                                    f"{module}; expected parts 0 .. {count - 1} of {count} "
+                                    f"once each, in order; regenerate the plan")
+        if plan.tp_size > 1:
+            raise RuntimeSetupError(f"{where} cuts {module} along {parts[0].axis} and shards "
+                                    f"it over tp {plan.tp_size}; plan tensor parallelism "
+                                    f"with --granularity layer")
+        if parts[0].axis == "vocab":
+            _check_vocab(chain, root, items[0], has_loss_fn, where)
+        else:
+            _check_units(chain, root, items, where)
+    return found
+
+
+def _check_vocab(chain: BlockChain, root: nn.Module, item: DerivedPart, has_loss_fn: bool,
+                 where: str) -> None:
+    """``check_parts`` for the head cut by vocabulary."""
+    head = item.part.module
     last = chain.blocks[-1]
-    if head != last.name or last.kind != "head" or chain.family != "hf_causal_lm":
+    if item.base != last.name or last.kind != "head" or chain.family != "hf_causal_lm":
         raise RuntimeSetupError(f"{where} splits {head} by vocabulary, but only the head of "
                                 f"an HF causal LM ({last.name} here is a {last.kind}) can be "
                                 f"split; plan with --granularity layer")
-    if [m for m, _ in shards] != shard_names(head, num):
-        raise RuntimeSetupError(f"{where} lists head shards {[m for m, _ in shards][:4]}; "
-                                f"expected {head}.shard0of{num} .. shard{num - 1}of{num} once "
-                                f"each, in order; regenerate the plan")
     why = head_split_refusal(root, head)
     if why is not None:
         raise RuntimeSetupError(f"{where} splits the head, but {why}; plan with "
@@ -167,60 +187,26 @@ def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
         raise RuntimeSetupError(f"{where} splits the head, so the pipeline computes the "
                                 f"token-mean loss itself; drop loss_fn or plan with "
                                 f"--granularity layer")
-    return True
 
 
-def check_half_slices(plan: Plan, chain: BlockChain, root: nn.Module, *,
-                      where: str = "the plan") -> None:
-    """Raise ``RuntimeSetupError`` unless every half ``plan`` cuts into slices
-    (``autopart.intake.half_slices``) is a decoder-layer half this runtime can cut there.
-
-    ``chain`` must carry ``trace.carries`` (``autopart.intake.blocks.with_carries``) when
-    the plan lists slices.
-
-    Raises:
-        RuntimeSetupError: a half's slices are not ``<half>.slice0ofK`` .. ``slice{K-1}ofK``
-            once each, in order; the sliced block is not a half of a decoder layer or its
-            module does not split (``slice_rule``); K exceeds its units; tp above 1; or a
-            value made by the model's code before the module crosses a cut inside it.
-    """
-    found: dict[str, list[tuple[str, int]]] = {}  # half -> [(slice name, stage index)]
-    for stage in sorted(plan.stages, key=lambda s: s.index):
-        for name in stage.modules:
-            parsed = parse_slice(name)
-            if parsed is not None:
-                found.setdefault(parsed[0], []).append((name, stage.index))
-    for half, listed in found.items():
-        _check_one_half(plan, chain, root, half, listed, where)
-
-
-def _check_one_half(plan: Plan, chain: BlockChain, root: nn.Module, half: str,
-                    listed: list[tuple[str, int]], where: str) -> None:
-    """``check_half_slices`` for one half, its slices listed as ``(name, stage index)``."""
-    names = [n for n, _ in listed]
-    num = parse_slice(names[0])[2]  # type: ignore[index]
-    if names != slice_names(half, num):
-        raise RuntimeSetupError(f"{where} lists slices {names[:4]} of {half}; expected "
-                                f"{half}.slice0of{num} .. slice{num - 1}of{num} once each, "
-                                f"in order; regenerate the plan")
-    block = {b.name: b for b in chain.blocks}.get(half)
-    if block is None or not block.layer or half not in block.fqns:
-        kind = "no block" if block is None else f"a {block.kind} block"
-        raise RuntimeSetupError(f"{where} cuts {half} into slices, but it is {kind}, not "
-                                f"the module of a decoder-layer half; make the plan from "
-                                f"this model's sublayer profile")
+def _check_units(chain: BlockChain, root: nn.Module, items: list[DerivedPart],
+                 where: str) -> None:
+    """``check_parts`` for one half's module cut by units into slices."""
+    half, count = items[0].part.module, items[0].part.count
+    block = {b.name: b for b in chain.blocks}[items[0].base]
+    if not block.layer:
+        raise RuntimeSetupError(f"{where} cuts {half} into slices, but it is a {block.kind} "
+                                f"block, not the module of a decoder-layer half; make the "
+                                f"plan from this model's profile")
     rule, why = slice_rule(root.get_submodule(half))
     if rule is None:
         raise RuntimeSetupError(f"{where} cuts {half} into slices, but {why}; plan without "
                                 f"slices of it")
-    if num > rule.units:
+    if count > rule.units:
         unit = "key/value heads" if rule.kind == "attention" else "intermediate columns"
-        raise RuntimeSetupError(f"{where} cuts {half} into {num} slices but it has only "
+        raise RuntimeSetupError(f"{where} cuts {half} into {count} slices but it has only "
                                 f"{rule.units} {unit}; regenerate the plan")
-    if plan.tp_size > 1:
-        raise RuntimeSetupError(f"{where} cuts {half} into slices and splits it over tp "
-                                f"{plan.tp_size}; plan tensor parallelism without slices")
-    cut = len({stage for _, stage in listed}) > 1
+    cut = len({d.stage for d in items}) > 1
     call = chain.call_fqns.index(half)
     if cut and (chain.trace is None or not chain.trace.carries
                 or chain.trace.carries[call - 1] is None):

@@ -4,9 +4,11 @@ JSON reading and writing lives in ``autopart.jsonio`` (``JsonFile``). Keys liste
 DESIGN.md are the stable minimum; the extra keys here sit beside them.
 """
 
+from autopart.schema.parts import LEVELS, Part
 from autopart.schema.plan import (
     PRECISIONS,
     BaselineResult,
+    HeldModule,
     Plan,
     RankPlan,
     SolverInfo,
@@ -19,7 +21,6 @@ from autopart.schema.plan import (
 from autopart.schema.profile import (
     BLOCK_KINDS,
     DTYPE_BYTES,
-    GRANULARITIES,
     OPTIMIZERS,
     BlockProfile,
     ModelInfo,
@@ -33,10 +34,12 @@ __all__ = [
     "BaselineResult",
     "BlockProfile",
     "DTYPE_BYTES",
-    "GRANULARITIES",
+    "HeldModule",
+    "LEVELS",
     "ModelInfo",
     "OPTIMIZERS",
     "PRECISIONS",
+    "Part",
     "Plan",
     "Profile",
     "ProfileSetup",

@@ -7,8 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopart.errors import RuntimeSetupError, SchemaError
-from autopart.jsonio import SCHEMA_VERSION, JsonFile
+from autopart.jsonio import JsonFile
+from autopart.schema.parts import LEVELS, Part
 from autopart.schema.profile import DTYPE_BYTES, OPTIMIZERS, RuntimeOverhead
+
+PLAN_SCHEMA_VERSION = 2
+"""2: typed ``parts`` of the planned blocks, ``head_shards``, levels by their new names
+(schema 1 plans are upgraded on load, ``autopart.schema.upgrade``)."""
 
 PRECISIONS: dict[str, dict[str, Any]] = {
     # Plain torch training in one dtype: AdamW's exp_avg / exp_avg_sq are
@@ -132,6 +137,16 @@ def default_precision(dtype: str) -> str:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HeldModule:
+    """A module a stage holds whole while holding only part of it (``autopart.held``)."""
+
+    module: str
+    """The module (a half's main module, the head; the head also for a tied weight)."""
+    static_bytes: int
+    """Its whole parameters + gradients + optimizer state (in the stage's ``static_bytes``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StagePlan:
     """One pipeline stage: a contiguous run of blocks on one rank."""
 
@@ -157,11 +172,10 @@ class StagePlan:
     output_bytes: int = 0
     """Sent to the next stage per microbatch."""
     transient_bytes: int = 0
-    tied_static_bytes: int = 0
-    """Static bytes of the weight held whole on every rank holding part of it (tied
-    embedding/head, split head), if this stage holds part; a rank counts it once."""
-    tied_part_bytes: int = 0
-    """The part of ``static_bytes`` that is that weight."""
+    held: tuple[HeldModule, ...] = ()
+    """Modules this stage holds whole while holding only part of them, so another stage
+    holds them too (a tied weight, the head cut by vocabulary, a half cut by units): a
+    rank holds each once, the ranks holding one sum its gradient after the step."""
     held_for_weight_bytes: int = 0
     """Zero-bubble schedules: bytes a microbatch holds from its B until its W on top of
     ``activation_bytes`` (``autopart.cost.StageCost``; 0 in plans written before it)."""
@@ -169,9 +183,6 @@ class StagePlan:
     """The part of ``transient_bytes`` that is weight gradients, paid only by backwards
     after the stage's first in a step (``autopart.cost.StageCost``; 0 in plans written
     before it)."""
-    shared_half_bytes: int = 0
-    """Static bytes of the layer half this stage ends inside, held whole here and on the
-    next stage, its gradient summed after the step (``autopart.solve.slices``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,6 +248,7 @@ class Plan(JsonFile):
 
     _json_what = "plan"
     _json_remedy = "autopart plan"
+    _json_version = PLAN_SCHEMA_VERSION
 
     profile_fingerprint: str
     pp_size: int
@@ -254,7 +266,7 @@ class Plan(JsonFile):
     plan's own fields are the ones that run and are simulated."""
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     """Each public baseline (``even``, ``params``, ``torchtitan``) by name."""
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = PLAN_SCHEMA_VERSION
     model_name: str = ""
     partition: str = "optimal"
     """``optimal``, or the baseline partition that was asked for."""
@@ -263,9 +275,13 @@ class Plan(JsonFile):
     notes: tuple[str, ...] = ()
     """Human-readable reasons (e.g. why rank 0 holds fewer blocks)."""
     granularity: str = "layer"
-    """``layer``: whole blocks; ``sublayer``: finer blocks (layer halves, the head's
-    vocabulary shards ``lm_head.shard<i>of<k>``, see ``autopart.intake.head_split``);
-    ``quarter``: halves split before their output projection too."""
+    """The level the plan cuts at (``autopart.schema.parts.LEVELS``): ``layer``, ``half``,
+    ``projection`` or ``slice``."""
+    head_shards: int = 0
+    """Vocabulary shards the head is cut into (0: whole)."""
+    parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)
+    """For every block of ``stages[].modules`` that is part of a module's call, its parts
+    (``BlockProfile.parts``), by block name."""
     micro_batch_size: int = 0
     """Samples per microbatch the plan was made for (the profile's, or rescaled)."""
     seq_len: int = 0
@@ -307,6 +323,19 @@ class Plan(JsonFile):
         bad = [s.index for s in self.stages if not 0 <= s.rank < self.pp_size]
         if bad:
             raise SchemaError(f"plan places stage(s) {bad} on ranks outside 0..{self.pp_size - 1}")
+        if self.granularity not in LEVELS:
+            raise SchemaError(f"plan granularity {self.granularity!r} is not one of {LEVELS}")
+
+    @classmethod
+    def _json_upgrade(cls, data: dict[str, Any], version: Any) -> dict[str, Any] | None:
+        """Schema 1 plans load (``autopart.schema.upgrade.plan_from_v1``)."""
+        from autopart.schema.upgrade import plan_from_v1
+
+        return plan_from_v1(data) if version == 1 else None
+
+    def parts_of(self, name: str) -> tuple[Part, ...]:
+        """The parts of the planned block ``name`` (empty for a whole module)."""
+        return self.parts.get(name, ())
 
     def check_model(self, fingerprint: str, model: str = "this model") -> None:
         """Refuse to run the plan on a model other than the one it was planned for.

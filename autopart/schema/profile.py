@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopart.errors import SchemaError
-from autopart.jsonio import SCHEMA_VERSION, JsonFile
+from autopart.jsonio import JsonFile
+from autopart.schema.parts import LEVELS, Part
 
 BLOCK_KINDS = ("embedding", "decoder_layer", "attention", "mlp", "norm", "head", "block")
-"""``attention`` and ``mlp``: the two halves of a decoder layer (``sublayer`` granularity)."""
-GRANULARITIES = ("layer", "sublayer", "quarter")
+"""``attention`` and ``mlp``: the two halves of a decoder layer (``half`` level and finer)."""
+PROFILE_SCHEMA_VERSION = 2
+"""2: blocks carry typed ``parts`` and levels have their new names (schema 1 files are
+upgraded on load, ``autopart.schema.upgrade``)."""
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
                               "num_params", "compile_ms", "held_for_weight_bytes",
@@ -25,11 +28,10 @@ class BlockProfile:
     """Cost of one block for one microbatch on one device."""
 
     name: str
-    """FQN of the block's module in the original model (the head block is named by
-    its output projection, e.g. ``lm_head``; the loss runs inside it). Plans at
-    ``auto`` granularity may split the head into vocabulary shard blocks
-    ``lm_head.shard<i>of<k>`` (rows ``[i*V//k, (i+1)*V//k)``, ``autopart.intake.head_split``);
-    they appear in plans' ``stages[].modules`` and ``pipeline_cuts``."""
+    """FQN of the block's last module in the original model (the head block is named by
+    its output projection, e.g. ``lm_head``; the loss runs inside it); a derived part is
+    named ``<module>.slice<i>of<k>`` or ``<module>.shard<i>of<k>`` (``parts`` says what it
+    is; names are for people)."""
     kind: str
     """One of ``BLOCK_KINDS``."""
     fwd_ms: float
@@ -68,8 +70,9 @@ class BlockProfile:
     re-measuring, or a re-measure disagreed (then the median of three is kept)."""
     num_measurements: int = 1
     """How many times the block's call was timed (more when it was disturbed)."""
-    layer: str = ""
-    """FQN of the decoder layer this block is a half of (``attention`` / ``mlp`` kinds)."""
+    parts: tuple[Part, ...] = ()
+    """What module calls this block is a part of, outermost first (``autopart.schema.parts``);
+    empty for a whole module."""
     held_for_weight_bytes: int = 0
     """Gradients the block's B keeps alive until its W when a zero-bubble schedule runs
     them apart, on top of ``activation_bytes``: torch's ``stage_backward_input`` stores
@@ -100,6 +103,11 @@ class BlockProfile:
                               f"({self.adopted_grad_bytes}) > transient_bytes "
                               f"({self.transient_bytes}); it is a part of it: profile again")
 
+    @property
+    def layer(self) -> str:
+        """FQN of the decoder layer this block is a part of (empty for other blocks)."""
+        return self.parts[0].module if self.parts and self.parts[0].axis == "calls" else ""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelInfo:
@@ -127,8 +135,11 @@ class ModelInfo:
     slice_units: dict[str, int] = field(default_factory=dict)
     """Per half kind (``attention``, ``mlp``), the units its halves' modules sum over (KV
     heads, MLP columns) when every half of that kind can be cut inside its call, checked
-    on the profiling backend (``autopart.intake.half_slices``); planning at ``slice``
-    granularity cuts such halves into slice blocks ``<half>.slice<i>of<k>``."""
+    on the profiling backend (``autopart.intake.half_slices``); planning at the ``slice``
+    level cuts such halves into parts along ``units`` (``<module>.slice<i>of<k>``)."""
+    slice_modules: dict[str, str] = field(default_factory=dict)
+    """Per kind in ``slice_units``, the module each half of that kind sums over units, by
+    its name inside the layer (``self_attn``, ``mlp``)."""
     notes: tuple[str, ...] = ()
     """One line each on how the model is served: eager attention where transformers
     has no SDPA for the family, blocks fused because no exact cut separates their
@@ -169,17 +180,22 @@ class ProfileSetup:
     """HF attention kernel the model was profiled with (``sdpa``, or ``eager`` where the
     family has no SDPA path); empty for other models."""
     granularity: str = "layer"
-    """``sublayer``: decoder layers were profiled as two halves each; ``quarter``: halves
-    split before their output projection too, where exact (profiles without the key are
-    ``layer``)."""
+    """The finest level of ``autopart.schema.parts.LEVELS`` the blocks are cut at:
+    ``layer`` (whole decoder layers), ``half`` (their two halves) or ``projection`` (halves
+    cut before their output projection too, where exact); ``slice`` only in profiles a
+    planner derived."""
+    device_memory_bytes: int = 0
+    """Memory of the profiled device: a GPU's or NeuronCore's capacity, the machine's RAM on
+    CPU, the spec's for analytical profiles (0: unknown). Plans default their memory limit
+    to it when no device spec matches (``autopart.solve.options.memory_limit_of``)."""
     neighbours: int = 0
     """CPU: processes that profiled the same model on this machine while it was measured,
     standing in for the pipeline's other ranks (``--pp N``: ``N - 1``; 0: measured alone)."""
 
     def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
+        if self.granularity not in LEVELS:
             raise SchemaError(f"granularity {self.granularity!r} is not one of "
-                              f"{GRANULARITIES}; profile again with --granularity")
+                              f"{LEVELS}; profile again")
         if self.neighbours < 0:
             raise SchemaError(f"neighbours must be >= 0, got {self.neighbours}")
         if self.micro_batch_size < 1 or self.seq_len < 1:
@@ -238,16 +254,24 @@ class Profile(JsonFile):
 
     _json_what = "profile"
     _json_remedy = "autopart profile"
+    _json_version = PROFILE_SCHEMA_VERSION
 
     model: ModelInfo
     setup: ProfileSetup
     blocks: tuple[BlockProfile, ...]
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = PROFILE_SCHEMA_VERSION
     calibration: dict[str, Any] = field(default_factory=dict)
     """Set when measured stage times were folded back in (``--calibrate``)."""
     runtime_overhead: RuntimeOverhead | None = None
     """The machine check of this machine at the profile's thread count, when one was run
     (``autopart calibrate --machine``); plans add it to the stage and step times."""
+
+    @classmethod
+    def _json_upgrade(cls, data: dict[str, Any], version: Any) -> dict[str, Any] | None:
+        """Schema 1 profiles load (``autopart.schema.upgrade.profile_from_v1``)."""
+        from autopart.schema.upgrade import profile_from_v1
+
+        return profile_from_v1(data) if version == 1 else None
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.blocks]

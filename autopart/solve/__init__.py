@@ -1,7 +1,8 @@
 """Solve phase: exact DP, ILP, public baselines, and the plan search.
 
-``make_plan(profile, pp_size=...)`` is the entry point; ``plan_mesh(profile, devices=...)``
-searches the tp x pp x dp mesh around it. ``solve_dp``, ``solve_ilp``
+``make_plan(profile, PlanOptions(...))`` (or ``make_plan(profile, pp_size=...)``) is the
+entry point; with ``devices`` it searches the tp x pp x dp mesh (``plan_mesh``, which also
+returns every mesh tried). ``solve_dp``, ``solve_ilp``
 and ``baseline_split`` are public for tools and benchmarks that want one piece;
 ``PARTITIONS`` and ``SOLVERS`` are the values ``make_plan`` accepts.
 """
@@ -10,8 +11,9 @@ from autopart.solve.baselines import baseline_split
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
 from autopart.solve.mesh import plan_mesh
+from autopart.solve.options import PlanOptions
 from autopart.solve.search import PARTITIONS, SOLVERS, make_plan
 
 # Public entry points of the solve phase; everything else is internal.
-__all__ = ["PARTITIONS", "SOLVERS", "baseline_split", "make_plan", "plan_mesh", "solve_dp",
-           "solve_ilp"]
+__all__ = ["PARTITIONS", "SOLVERS", "PlanOptions", "baseline_split", "make_plan", "plan_mesh",
+           "solve_dp", "solve_ilp"]

@@ -11,6 +11,7 @@ from autopart.cost import BlockArrays, StageCost, stage_cost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import (
     BaselineResult,
+    HeldModule,
     Plan,
     Profile,
     RankPlan,
@@ -20,6 +21,7 @@ from autopart.schema import (
 )
 from autopart.simulate import SimResult, simulate
 from autopart.simulate.replay import with_step_overhead
+from autopart.solve.cuts import shortest_names
 
 __all__ = ["Evaluated", "evaluate_split", "plan_from_split"]
 
@@ -93,10 +95,9 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
             activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes,
             input_bytes=cost.input_bytes, output_bytes=cost.output_bytes,
             transient_bytes=cost.transient_bytes,
-            tied_static_bytes=cost.tied_static_bytes, tied_part_bytes=cost.tied_part_bytes,
+            held=tuple(HeldModule(module=k, static_bytes=b) for k, b in cost.held),
             held_for_weight_bytes=cost.held_for_weight_bytes,
-            adopted_grad_bytes=cost.adopted_grad_bytes,
-            shared_half_bytes=cost.shared_half_bytes))
+            adopted_grad_bytes=cost.adopted_grad_bytes))
     result = best.result
     ranks = tuple(
         RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),
@@ -110,7 +111,7 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
         profile_fingerprint=profile.model.fingerprint, pp_size=best.pp_size,
         virtual_stages=best.virtual_stages, schedule=best.schedule,
         num_microbatches=best.num_microbatches,
-        pipeline_cuts=tuple(blocks[j - 1].name for _, j in best.bounds[:-1]),
+        pipeline_cuts=tuple(shortest_names(blocks, [j for _, j in best.bounds[:-1]])),
         stages=tuple(stages), ranks=ranks, predicted_step_ms=result.step_ms,
         bubble_fraction=result.bubble_fraction,
         baselines={name: BaselineResult(**{**fields, "stage_num_blocks": tuple(
@@ -118,4 +119,8 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
         model_name=profile.model.name, partition=partition, setup=setup_used,
         solver=SolverInfo(**solver), notes=tuple(notes),
         micro_batch_size=profile.setup.micro_batch_size, seq_len=profile.setup.seq_len,
-        dtype=profile.setup.dtype, profile_threads=profile.setup.num_threads)
+        dtype=profile.setup.dtype, profile_threads=profile.setup.num_threads,
+        granularity=profile.setup.granularity,
+        head_shards=next((b.parts[-1].count for b in blocks
+                          if b.parts and b.parts[-1].axis == "vocab"), 0),
+        parts={b.name: b.parts for b in blocks if b.parts})

@@ -9,10 +9,9 @@
   count as one layer, then the units are divided evenly.
 
 Uneven divisions give the extra unit to the first stages (``numpy.array_split``).
-These tools cut between whole layers: on a ``sublayer`` profile each layer's two
-halves are fused first (``autopart.granularity``), so a baseline never cuts inside
-a layer, and a head split into vocabulary shards (``autopart.solve.shards``) counts
-as one block.
+These tools cut between whole modules: on a profile cut inside layers or the head
+the parts are fused first (``autopart.levels.coarsen_blocks`` at ``layer``, the head
+whole), so a baseline never cuts inside a layer or the head.
 When there are fewer units than stages every block becomes a unit. A split is a
 list of ``(first, stop)`` half-open block ranges, one per stage.
 """
@@ -20,10 +19,8 @@ list of ``(first, stop)`` half-open block ranges, one per stage.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
-from autopart.granularity import fuse_halves, layer_groups
-from autopart.intake.head_split import parse_shard
+from autopart.levels import coarsen_blocks
 from autopart.schema import BlockProfile
 
 __all__ = ["BASELINES", "baseline_split", "even_split", "params_split", "torchtitan_split"]
@@ -143,16 +140,7 @@ def baseline_split(name: str, blocks: Sequence[BlockProfile], num_stages: int
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
     if not 1 <= num_stages <= len(blocks):
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{len(blocks)}")
-    first = next((i for i, b in enumerate(blocks) if parse_shard(b.name)), None)
-    if first is not None and num_stages <= first + 1:
-        # these tools keep the head whole: its vocabulary shards count as one block
-        whole = replace(blocks[first], name=parse_shard(blocks[first].name)[0],
-                        num_params=sum(b.num_params for b in blocks[first:]))
-        return [(i, len(blocks) if j > first else j)
-                for i, j in baseline_split(name, [*blocks[:first], whole], num_stages)]
-    groups = layer_groups(blocks)
-    if len(groups) == len(blocks) or len(groups) < num_stages:
+    fused, starts = coarsen_blocks(blocks, "layer", head=False)
+    if len(fused) == len(blocks) or len(fused) < num_stages:
         return BASELINES[name](blocks, num_stages)
-    fused = [fuse_halves([blocks[i] for i in group]) for group in groups]
-    return [(groups[i][0], groups[j - 1][-1] + 1)
-            for i, j in BASELINES[name](fused, num_stages)]
+    return [(starts[i], starts[j]) for i, j in BASELINES[name](fused, num_stages)]

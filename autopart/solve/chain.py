@@ -112,9 +112,9 @@ class Chain:
     """Cut-crossing output bytes per block (head output zeroed)."""
     num_microbatches: int
     static_ends: tuple[np.ndarray, np.ndarray] | None = None
-    """``(at_start, at_end)``: ``static_prefix`` at the start of the half a stage starting
-    at block i begins inside and after the half a stage ending before j ends inside
-    (``autopart.solve.slices``: such halves are held whole); None without slices."""
+    """``(at_start, at_end)``: ``static_prefix`` at the start of the module a stage starting
+    at block i begins inside and after the module a stage ending before j ends inside
+    (``autopart.held``: a module cut into parts is held whole); None when none is cut."""
     cache: dict = field(default_factory=dict)
 
     @property
@@ -257,11 +257,12 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
 
 
 def _static_ends(arrays: BlockArrays) -> tuple[np.ndarray, np.ndarray] | None:
-    """``Chain.static_ends`` from the blocks' half spans (None without slices)."""
-    if arrays.half_span is None:
+    """``Chain.static_ends`` from the spans of the modules cut into parts (``autopart.held``;
+    None when none is)."""
+    if arrays.held is None or arrays.held.span is None:
         return None
     prefix = arrays.prefix_static.astype(np.int64)
-    first, last = arrays.half_span
+    first, last = arrays.held.span
     at_start = np.concatenate([prefix[first], prefix[-1:]])
     at_end = np.concatenate([prefix[:1], prefix[last + 1]])
     return at_start, at_end

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopart.errors import InfeasibleError, PlanError
+from autopart.levels import coarsen
 from autopart.mesh_cost import (
     ring_all_gather_ms,
     ring_all_reduce_ms,
@@ -34,6 +35,7 @@ from autopart.mesh_cost import (
 from autopart.profile.devices import DeviceSpec
 from autopart.schema import DTYPE_BYTES, Plan, Profile
 from autopart.simulate import simulate_plan
+from autopart.solve.options import PlanOptions, device_of
 from autopart.solve.search import make_plan
 
 __all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
@@ -148,77 +150,82 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
     return out
 
 
-def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str = "auto",
-              pp: int | str = "auto", dp: int | str = "auto", zero_stage: int = 0,
-              global_batch_size: int | None = None, num_microbatches: int | None = None,
-              sequence_parallel: bool = True,
-              shard_of: Callable[[int], Profile | None] | None = None,
+def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
               progress: Callable[[int, int, str], None] | None = None,
-              **plan_kwargs: Any) -> MeshResult:
-    """Plan the fastest tp x pp x dp mesh of ``devices`` that fits memory.
+              shard_of: Callable[[int], Profile | None] | None = None,
+              **fields: Any) -> MeshResult:
+    """Plan the fastest tp x pp x dp mesh of ``options.devices`` devices that fits memory.
 
     Args:
         profile: The unsharded profile (analytical or measured on one device).
-        devices: Devices in all.
-        spec: Device spec: node size and the intra- and inter-node links.
-        tp: Tensor-parallel size or ``"auto"``.
-        pp: Pipeline size or ``"auto"``.
-        dp: Data-parallel size or ``"auto"``.
-        zero_stage: 1 shards the optimizer state across dp (ZeRO-1).
-        global_batch_size: Samples per step over all replicas; each replica runs
-            ``global_batch_size / (dp * micro_batch_size)`` microbatches of the profile's
-            micro-batch size.
-        num_microbatches: Fix m per replica instead.
-        sequence_parallel: TP with sequence parallelism (activations all split).
-        shard_of: ``shard_of(tp)`` gives a profile of one TP shard (e.g.
-            ``autopart.profile.tp_shard.profile_tp_shard``) or ``None``; without one the
-            block times are scaled (``autopart.mesh_cost``). Called once per tp.
+        options: What to plan (``PlanOptions``, ``devices`` set; ``tp_size``, ``pp_size``
+            and ``dp_size`` fix a size, ``auto`` searches it; ``global_batch_size`` is over
+            all replicas, each running ``global_batch_size / (dp * micro_batch_size)``
+            microbatches of the profile's micro-batch size); ``fields`` replace its fields.
         progress: ``progress(done, total, what)`` after each mesh.
-        **plan_kwargs: Passed to ``make_plan`` (schedule, memory limit, dtypes, ...).
+        shard_of: ``shard_of(tp)`` gives a profile of one TP shard or ``None``; default:
+            ``autopart.profile.tp_shard.profile_tp_shard`` (analytical profiles of HF
+            configs); without one the block times are scaled (``autopart.mesh_cost``).
+        **fields: ``PlanOptions`` fields.
 
     Returns:
         The chosen mesh's plan (``tp_size``, ``dp_size``, ``zero_stage`` and
         ``grad_sync_ms`` set) and every mesh tried, best first.
 
     Raises:
-        PlanError: Bad sizes (see ``mesh_sizes``) or no link figures for ``spec``.
+        PlanError: Bad sizes (see ``mesh_sizes``), no devices, or no link figures for the
+            device.
         InfeasibleError: No mesh fits memory.
     """
+    opts = PlanOptions.of(options, **fields)
+    if opts.devices is None:
+        raise PlanError("plan_mesh needs devices (--devices N)")
+    spec = device_of(profile, opts.device)
+    if spec is None:
+        raise PlanError("--devices needs the device's node size and links: pass --device "
+                        "(h100, trn1, ...) or use an analytical profile")
     if spec.intra_node is None or spec.inter_node is None:
         raise PlanError(f"profiles/devices.json has no intra_node / inter_node links for "
                         f"{spec.key!r}; add them with their source to plan a mesh")
-    meshes = mesh_sizes(devices, spec.node_size, tp=tp, pp=pp, dp=dp,
-                        num_blocks=len(profile.blocks), global_batch_size=global_batch_size,
+    meshes = mesh_sizes(opts.devices, spec.node_size, tp=opts.tp_size,
+                        pp=opts.pp_size if opts.pp_size is not None else "auto",
+                        dp=opts.dp_size, num_blocks=len(profile.blocks),
+                        global_batch_size=opts.global_batch_size,
                         micro_batch_size=profile.setup.micro_batch_size)
-    shards: dict[int, Profile] = {}
+    if shard_of is None:
+        from autopart.profile.tp_shard import profile_tp_shard
+
+        def shard_of(tp: int) -> Profile | None:
+            return profile_tp_shard(coarsen(profile, "layer", head=False), tp)
+
+    shards: dict[int, Profile] = {1: profile}
+    whole = coarsen(profile, "layer", head=False)  # tp shards whole layers (``_plan_one``)
+    intra = spec.intra_node
 
     def plan_one(mesh: tuple[int, int, int], refine_evals: int) -> MeshCandidate:
         t = mesh[0]
         if t not in shards:
-            shard = shard_of(t) if shard_of is not None and t > 1 else None
             shards[t] = shard_profile(
-                profile, t, sequence_parallel=sequence_parallel, shard=shard,
-                bandwidth_bytes_per_s=spec.intra_node.bandwidth_bytes_per_s,
-                latency_ms=spec.intra_node.latency_ms)
-        return _plan_one(profile, shards[t], spec, mesh, zero_stage, global_batch_size,
-                         num_microbatches, {**plan_kwargs, "refine_evals": refine_evals})
+                whole, t, sequence_parallel=opts.sequence_parallel, shard=shard_of(t),
+                bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s, latency_ms=intra.latency_ms)
+        return _plan_one(shards[t], spec, mesh, dataclasses.replace(
+            opts, refine_evals=refine_evals))
 
     # Scan every mesh without the local search, then refine the best few: the local
     # search simulates hundreds of splits, too many for every mesh of a large cluster.
-    refine_evals = plan_kwargs.pop("refine_evals", _REFINE_EVALS)
     found = []
     for done, mesh in enumerate(meshes, 1):
         found.append(plan_one(mesh, 0))
         if progress is not None:
             progress(done, len(meshes) + 1, "tp={} pp={} dp={}".format(*mesh))
     best_few = sorted((c for c in found if c.fits), key=_order)[:_NUM_REFINED_MESHES]
-    if refine_evals > 0:
+    if opts.refine_evals > 0:
         for cand in best_few:
             found[found.index(cand)] = plan_one((cand.tp_size, cand.pp_size, cand.dp_size),
-                                                refine_evals)
+                                                opts.refine_evals)
     if progress is not None:
         progress(len(meshes) + 1, len(meshes) + 1, "local search")
-    return _ranked(found, devices)
+    return _ranked(found, opts.devices)
 
 
 def _order(cand: MeshCandidate) -> tuple:
@@ -242,34 +249,50 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
     return MeshResult(plan=best.plan, candidates=tuple(ranked))
 
 
-def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
-              zero_stage: int, global_batch_size: int | None, num_microbatches: int | None,
-              plan_kwargs: dict[str, Any]) -> MeshCandidate:
-    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync."""
+def _plan_one(sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
+              opts: PlanOptions) -> MeshCandidate:
+    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync.
+
+    Under tensor parallelism the plan keeps whole layers and the head whole: autopart's
+    runtime shards a layer's heads and columns over tp, which a cut inside a half or a
+    head split by vocabulary would cut again (said in the plan's notes)."""
     tp, pp, dp = mesh
     intra, inter = spec.intra_node, spec.inter_node
+    assert intra is not None and inter is not None
     pp_link = intra if tp * pp * dp <= spec.node_size else inter
     dp_link = intra if tp * dp <= spec.node_size else inter
-    kwargs = {**plan_kwargs, "link_bandwidth_bytes_per_s": pp_link.bandwidth_bytes_per_s,
-              "link_latency_ms": pp_link.latency_ms, "dp_size": dp, "zero_stage": zero_stage}
-    if num_microbatches is not None:
-        kwargs["num_microbatches"] = num_microbatches
-    elif global_batch_size is not None:
-        kwargs["num_microbatches"] = global_batch_size // (dp * profile.setup.micro_batch_size)
+    num_microbatches = opts.num_microbatches
+    if num_microbatches is None and opts.global_batch_size is not None:
+        num_microbatches = opts.global_batch_size // (dp * sharded.setup.micro_batch_size)
+    fields: dict[str, Any] = {
+        "devices": None, "pp_size": pp, "dp_size": dp, "tp_size": "auto",
+        "link_bandwidth_bytes_per_s": pp_link.bandwidth_bytes_per_s,
+        "link_latency_ms": pp_link.latency_ms, "num_microbatches": num_microbatches,
+        "global_batch_size": None if num_microbatches is not None else opts.global_batch_size,
+        "device": spec}
+    if tp > 1:
+        fields.update(granularity="layer", split_head=False)
     try:
-        # a tensor-parallel head is sharded by vocabulary already: no head split on top
-        plan = make_plan(sharded, pp_size=pp, **(kwargs if tp == 1 else
-                                                 {**kwargs, "granularity": "layer"}))
+        plan = make_plan(sharded, dataclasses.replace(opts, **fields))
     except InfeasibleError as exc:
         return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
                              needed_bytes=exc.needed_bytes)
     sync = _grad_sync_ms(plan, dp, dp_link.bandwidth_bytes_per_s, dp_link.latency_ms)
-    comm = tp_comm_ms_per_block(profile, tp, intra.bandwidth_bytes_per_s, intra.latency_ms)
-    per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
-                    for i in range(s.first_block_idx, s.last_block_idx + 1))
-                for r in range(pp)]
-    notes = plan.notes + (sharded.model.notes[-1], _RUNTIME_TP_NOTE) if tp > 1 else plan.notes
-    plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
+    per_rank = [0.0]
+    if tp > 1:
+        comm = tp_comm_ms_per_block(sharded, tp, intra.bandwidth_bytes_per_s, intra.latency_ms)
+        per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
+                        for i in range(s.first_block_idx, s.last_block_idx + 1))
+                    for r in range(pp)]
+    notes = plan.notes
+    if tp > 1:
+        level = sharded.setup.granularity
+        notes += (sharded.model.notes[-1],) + ((
+            f"tp {tp}: planned at whole layers with the head whole (the profile holds "
+            f"{level}-level blocks): tensor parallelism already splits each layer and the "
+            f"head by heads, columns and vocabulary",) if level != "layer"
+            or sharded.model.head_split_rows else ()) + (_RUNTIME_TP_NOTE,)
+    plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=opts.zero_stage,
                                grad_sync_ms=sync, notes=notes)
     return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
                          step_ms=plan.predicted_step_ms + sync, grad_sync_ms=sync,

@@ -19,7 +19,8 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from autopart.schema import BlockProfile, Profile
+from autopart.levels import fuse
+from autopart.schema import Profile
 
 __all__ = ["Judge", "allowed_cuts", "fuse_blocks", "legal", "neighbours", "refine",
            "refine_counted"]
@@ -49,27 +50,8 @@ def fuse_blocks(profile: Profile, allowed: Sequence[bool]) -> tuple[Profile, lis
     if len(starts) == len(profile.blocks):
         return profile, [*starts, len(profile.blocks)]
     ends = [*starts[1:], len(profile.blocks)]
-    fused = tuple(_fuse(profile.blocks[i:j]) for i, j in zip(starts, ends, strict=True))
+    fused = tuple(fuse(profile.blocks[i:j]) for i, j in zip(starts, ends, strict=True))
     return dataclasses.replace(profile, blocks=fused), [*starts, len(profile.blocks)]
-
-
-def _fuse(blocks: Sequence[BlockProfile]) -> BlockProfile:
-    if len(blocks) == 1:
-        return blocks[0]
-    last = blocks[-1]
-
-    def total(field: str) -> float:
-        return sum(getattr(b, field) for b in blocks)
-
-    return dataclasses.replace(
-        last, fwd_ms=total("fwd_ms"), bwd_ms=total("bwd_ms"),
-        bwd_input_ms=total("bwd_input_ms"), bwd_weight_ms=total("bwd_weight_ms"),
-        param_bytes=int(total("param_bytes")), num_params=int(total("num_params")),
-        activation_bytes=int(total("activation_bytes")),
-        held_for_weight_bytes=int(total("held_for_weight_bytes")),
-        transient_bytes=max(b.transient_bytes for b in blocks),
-        adopted_grad_bytes=max(b.transient_bytes for b in blocks)
-        - max(b.transient_bytes - b.adopted_grad_bytes for b in blocks), reused_from=None)
 
 
 class Judge(Protocol):

@@ -17,35 +17,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopart.errors import PlanError
-from autopart.intake.half_slices import parse_slice
-from autopart.intake.head_split import parse_shard
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 from autopart.solve import _explain
 from autopart.solve.assemble import Evaluated, plan_from_split
 from autopart.solve.baselines import BASELINES
+from autopart.solve.choices import plan_levels
+from autopart.solve.cuts import cut_bounds
+from autopart.solve.options import PlanOptions
 from autopart.solve.propose import propose
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.refine import legal, refine_counted
+from autopart.solve.request import Request, resolve_request
 from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_configs
-from autopart.solve.shards import (
-    apply_granularity,
-    cut_bounds,
-    faster_of_sliced_or_whole,
-    faster_of_split_or_whole,
-    splits_head,
-)
-from autopart.solve.slices import MAX_SLICES
-from autopart.targets import planning_constraints
 
 __all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
 
 PARTITIONS = ("optimal", *BASELINES)
 SOLVERS = ("auto", "dp", "ilp")
-_ILP_MAX_NODES = 100_000
-_ILP_AUTO_MAX_NODES = 2_000
-"""Per-ILP node limits for ``solver="ilp"`` and ``solver="auto"`` (a limit hit is reported
-with its gap in ``Plan.solver``; under ``auto`` such a split is dropped)."""
 _NUM_REFINED = 3
 """How many of the best (schedule, v, m) candidates the local search refines."""
 _REFINE_NODE_BUDGET = 100_000_000
@@ -57,136 +46,86 @@ fastest seeds. There a climb from a seed 5-15% behind moves one cut by one block
 simulation and spent its 300 without reaching the front, most of the plan's time."""
 
 
-def make_plan(profile: Profile, *, pp_size: int, num_microbatches: int | None = None,
-              global_batch_size: int | None = None, schedule: str | Sequence[str] = "auto",
-              virtual_stages: int | str = "auto", partition: str = "optimal",
-              solver: str = "auto", memory_limit_bytes: int | None = None,
-              allow_recompute: bool = True, ilp_backend: str = "auto",
-              ilp_max_nodes: int | None = None, ilp_time_limit_s: float | None = None,
-              cut_kinds: Sequence[str] | None = None,
-              refine_evals: int = 300, target: str | None = None,
-              granularity: str = "auto", cuts: Sequence[str] | None = None,
+def make_plan(profile: Profile, options: PlanOptions | None = None, /, *,
               progress: Callable[[int, int, str], None] | None = None,
-              **setup_fields: Any) -> Plan:
-    """Plan the pipeline of ``profile`` on ``pp_size`` ranks.
+              **fields: Any) -> Plan:
+    """Plan the pipeline of ``profile``: the fastest simulated step that fits memory.
+
+    ``auto`` granularity loops over the levels the profile offers (its measured level,
+    with the coarser ones as seeds; the ``slice`` level where halves can be cut by units)
+    and over the head whole or cut by vocabulary, and keeps the fastest plan
+    (``autopart.solve.levels``).
 
     Args:
         profile: Per-block costs (``autopart profile``).
-        pp_size: Pipeline ranks.
-        num_microbatches: Fix m. Else ``global_batch_size`` allows every m dividing
-            it, or m = 4 * pp when neither is given.
-        global_batch_size: Samples per step and data-parallel replica; the profile's
-            per-microbatch costs are rescaled linearly to ``global_batch_size / m``.
-        schedule: A name, a list of names, or ``"auto"`` (every schedule torch has).
-        virtual_stages: Stages per rank, or ``"auto"``: for the multi-stage schedules
-            every v from 2 with a block per stage that torch accepts, in ascending
-            order, until two v in a row do worse than the best so far.
-        partition: ``optimal``, or a baseline (``even``, ``params``, ``torchtitan``).
-        solver: For ``optimal``: ``dp``, ``ilp``, or ``auto`` (the DP, plus the ILP for
-            small multi-stage problems).
-        memory_limit_bytes: Per-device memory; ``None`` is unlimited.
-        allow_recompute: Let stages recompute their forward to fit memory.
-        ilp_backend: ``auto``, ``highs`` or ``cbc``.
-        ilp_max_nodes: Branch-and-bound nodes per ILP; defaults to 100,000 with
-            ``solver="ilp"``, 2,000 with ``"auto"``. A bound on work, so plans are
-            the same on every machine and under any load.
-        ilp_time_limit_s: An optional wall-clock limit per ILP as well (default none);
-            a split it cuts off depends on the machine.
-        cut_kinds: Cut only after blocks of these kinds (NxD: ``("decoder_layer",)``).
-        refine_evals: Simulations the local search may spend per refined candidate
-            (0 turns it off); at pp 64 a bound on its total work binds first.
-        target: An export format (``nxd``, ``megatron``, ...): plan within that tool's
-            rules (``autopart.targets``), its cut kinds unless ``cut_kinds`` is given,
-            and its schedules.
-        granularity: ``auto`` / ``quarter``: the finest blocks the runtime runs (as
-            profiled), the head split into vocabulary shards where it can be
-            (``autopart.solve.shards``; ``auto`` keeps the head whole where that predicts
-            a step as fast or faster); ``sublayer``: the same with a ``quarter``
-            profile's parts fused into halves; ``layer``: whole blocks. Export targets
-            plan at ``layer``.
-        cuts: Evaluate this split instead of searching: the last block of every stage
-            but the final one (``pp_size * v - 1`` names, in model order); shard names
-            ``lm_head.shard<i>of<k>`` set the number of shards.
-        progress: ``progress(done, total, what)`` is called after each (schedule, v,
-            m) is searched and once more after the local search.
-        **setup_fields: Fields of ``TrainingSetup`` (optimizer, dtypes, link figures);
-            ``precision`` (a ``PRECISIONS`` preset) sets the dtypes, by default the
-            profile dtype's.
+        options: What to plan (``PlanOptions``); ``fields`` replace its fields, so
+            ``make_plan(profile, pp_size=8, num_microbatches=32)`` works alone.
+        progress: ``progress(done, total, what)`` after each searched configuration.
+        **fields: ``PlanOptions`` fields.
 
     Returns:
-        The plan with the fastest simulated step that fits, with the baselines
-        simulated beside it and notes on why it looks the way it does.
+        The plan, with the baselines simulated beside it and notes on why it looks the way
+        it does. With ``devices`` set, the chosen mesh's plan (``plan_mesh`` has the others).
 
     Raises:
-        PlanError: A bad setting (pp, partition, solver, v, setup field, target,
-            granularity, cuts).
+        PlanError: A bad option (pp, partition, solver, v, precision, target, cuts, ...).
         InfeasibleError: Nothing fits; the message names the memory that would fit.
     """
-    args = {k: v for k, v in locals().items() if k not in ("profile", "setup_fields")}
-    slice_counts = {min(parse_slice(c)[2], MAX_SLICES) for c in cuts or () if parse_slice(c)}
-    if granularity == "auto" and slice_counts:
-        granularity = "slice"  # --cuts model.layers.3.mlp.slice1of4: 4 slices per half
-    if granularity == "auto" and cuts is None and target is None:
-        if profile.model.slice_units and profile.setup.granularity != "layer":
-            return faster_of_sliced_or_whole(lambda p, g: make_plan(
-                p, **{**args, "granularity": g}, **setup_fields), profile)
-        if splits_head(profile):
-            return faster_of_split_or_whole(lambda p: make_plan(
-                p, **{**args, "granularity": "quarter"}, **setup_fields), profile)
-    if target is not None:
-        schedule, cut_kinds = _target_rules(target, schedule, cut_kinds, pp_size,
-                                            num_microbatches)
-    shard_counts = {parse_shard(c)[2] for c in cuts or () if parse_shard(c)}
-    profile, granularity_notes = apply_granularity(  # --cuts lm_head.shard1of4: 4 shards
-        profile, granularity, target, shards=min(shard_counts) if shard_counts else None,
-        slices=max(slice_counts) if slice_counts else None)
-    _check_args(profile, pp_size, partition, solver, virtual_stages)
-    given = None
-    if cuts is not None:
-        given, virtual_stages = cut_bounds(profile, cuts, pp_size, virtual_stages)
+    opts = PlanOptions.of(options, **fields)
+    if opts.devices is not None:
+        from autopart.solve.mesh import plan_mesh
+
+        return plan_mesh(profile, opts, progress=progress).plan
+    request = resolve_request(profile, opts)
+    return plan_levels(profile, request, _plan_at, progress)
+
+
+def _plan_at(profile: Profile, request: Request, configs: Sequence[Config] | None,
+             progress: Callable[[int, int, str], None] | None) -> tuple[Plan, list[Config]]:
+    """The plan of ``profile`` (blocks at one level) under ``request``, searched over
+    ``configs`` (``None``: every configuration), and the configurations ranked by their
+    best fitting candidate."""
+    opts = request.options
+    pp_size = opts.pp_size
+    assert pp_size is not None
+    _check_args(profile, pp_size, opts.partition, opts.solver, request.virtual_stages)
+    given, virtual_stages = None, request.virtual_stages
+    partition = opts.partition
+    if opts.cuts is not None:
+        given, virtual_stages = cut_bounds(profile, opts.cuts, pp_size, virtual_stages)
         partition = "cuts"
-    if ilp_max_nodes is None:
-        # Under "auto" the ILP is a second opinion beside the DP: keep it short.
-        ilp_max_nodes = _ILP_MAX_NODES if solver == "ilp" else _ILP_AUTO_MAX_NODES
-    options = Options(partition=partition, solver=solver, allow_recompute=allow_recompute,
-                      ilp_backend=ilp_backend, ilp_max_nodes=ilp_max_nodes,
-                      ilp_time_limit_s=ilp_time_limit_s, refine_evals=refine_evals,
-                      cuts=given)
-    settings = build_settings(profile, pp_size, num_microbatches, global_batch_size,
-                              memory_limit_bytes, setup_fields, cut_kinds)
+    search = dataclasses.replace(request.search, partition=partition, cuts=given)
+    settings = build_settings(profile, pp_size, opts.num_microbatches, opts.global_batch_size,
+                              request.memory_limit_bytes, request.setup_fields,
+                              request.cut_kinds)
     if given is not None and not legal(given, next(iter(settings.values())).allowed):
-        raise PlanError(f"--cuts cuts inside a unit {target or 'the cut kinds'} keeps whole "
-                        f"(allowed after {'/'.join(cut_kinds or ())} blocks only); move the cuts")
-    num_units = min(setting.chain.num_blocks for setting in settings.values())
-    configs = search_configs(num_units, pp_size, schedule, virtual_stages, sorted(settings))
-    best = _search(settings, configs, options, progress)
+        raise PlanError(f"--cuts cuts inside a unit {opts.target or 'the cut kinds'} keeps "
+                        f"whole (allowed after {'/'.join(request.cut_kinds or ())} blocks "
+                        f"only); move the cuts")
+    if configs is None:
+        num_units = min(setting.chain.num_blocks for setting in settings.values())
+        configs = search_configs(num_units, pp_size, request.schedule, virtual_stages,
+                                 sorted(settings))
+    best, ranked = _search(settings, list(configs), search, progress)
     setting = settings[best.evaluated.num_microbatches]
     baselines = _baselines(setting, best.evaluated)
-    notes = _explain.notes(setting.profile, best.evaluated, baselines, memory_limit_bytes,
-                           default_m=num_microbatches is None and global_batch_size is None,
-                           rescaled=setting.profile is not profile) + granularity_notes
+    notes = _explain.notes(setting.profile, best.evaluated, baselines,
+                           request.memory_limit_bytes,
+                           default_m=opts.num_microbatches is None
+                           and opts.global_batch_size is None,
+                           rescaled=setting.profile is not profile)
     # The setting's profile: the same blocks, its micro-batch size rescaled when m varied.
     plan = plan_from_split(setting.profile, setting.setup, best.evaluated, partition=partition,
                            solver=dataclasses.asdict(best.solver),
                            baselines=_baseline_json(best.evaluated, baselines), notes=notes)
-    finer = profile.setup.granularity != "layer" or any(parse_shard(b.name)
-                                                        for b in profile.blocks)
-    kept = "quarter" if profile.setup.granularity == "quarter" else "sublayer"
-    return dataclasses.replace(plan, granularity=kept if finer else "layer")
-
-
-def _target_rules(target: str, schedule: str | Sequence[str],
-                  cut_kinds: Sequence[str] | None, pp_size: int,
-                  num_microbatches: int | None) -> tuple[Any, Sequence[str] | None]:
-    """The schedules and cut kinds an export target allows (explicit cut kinds win)."""
-    rules = planning_constraints(target)
-    schedule = rules.schedules_for(schedule, pp_size=pp_size, num_microbatches=num_microbatches)
-    return schedule, rules.cut_kinds if cut_kinds is None else cut_kinds
+    return plan, ranked
 
 
 def _search(settings: dict[int, Setting], configs: list[Config], options: Options,
-            progress: Callable[[int, int, str], None] | None) -> Candidate:
-    """The fastest fitting candidate over ``configs``, refined; raises when none fits."""
+            progress: Callable[[int, int, str], None] | None
+            ) -> tuple[Candidate, list[Config]]:
+    """The fastest fitting candidate over ``configs``, refined, and the configurations
+    ranked by their fastest fitting candidate; raises when none fits."""
     found: list[Candidate] = []
     total = len(configs) + 1
     trend = _VirtualTrend()
@@ -204,7 +143,8 @@ def _search(settings: dict[int, Setting], configs: list[Config], options: Option
         fitting = _refined(settings, fitting, options.refine_evals)
     if progress is not None:
         progress(total, total, "local search")
-    return min(fitting, key=lambda c: _rank_key(c.evaluated))
+    ranked = sorted(fitting, key=lambda c: _rank_key(c.evaluated))
+    return ranked[0], list(dict.fromkeys(Config.of(c.evaluated) for c in ranked))
 
 
 class _VirtualTrend:

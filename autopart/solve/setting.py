@@ -11,8 +11,15 @@ import numpy as np
 
 from autopart.cost import BlockArrays, StageCost, block_arrays, stage_cost
 from autopart.errors import PlanError, SchemaError
+from autopart.levels import stage_ends
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info
-from autopart.schema import BlockProfile, Profile, TrainingSetup, setup_fields_with_precision
+from autopart.schema import (
+    LEVELS,
+    BlockProfile,
+    Profile,
+    TrainingSetup,
+    setup_fields_with_precision,
+)
 from autopart.simulate.engine import (
     critical_counts,
     duration_table,
@@ -48,9 +55,9 @@ class Setting:
     """The blocks of ``chain``: runs with no allowed cut inside merged into one."""
     coarser: tuple[tuple[Chain, tuple[int, ...]], ...] = ()
     """For a profile cut inside layers: the solvers' chain with cuts between layer halves
-    only (a ``quarter`` profile) and between whole layers only, each with the original
+    only and between whole layers only (the coarser levels), each with the original
     position of its blocks (plus ``n``). Their DP splits seed the search, so that a finer
-    profile never plans slower than the coarser split it contains would."""
+    level never plans slower than the coarser split it contains would."""
 
     baselines: dict = field(default_factory=dict, compare=False, repr=False)
     """Cache: ``(name, num_stages)`` -> ``baseline``'s split (configurations with the same
@@ -198,20 +205,19 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
 
 def _coarser_chains(profile: Profile, allowed: Sequence[bool], setup: TrainingSetup,
                     pp_size: int) -> tuple[tuple[Chain, tuple[int, ...]], ...]:
-    """``Setting.coarser``: chains with cuts at half and at layer boundaries only."""
-    blocks = profile.blocks
-    if not any(b.layer for b in blocks):
-        return ()
-    levels: list[list[bool]] = []
-    for key in (lambda b: (b.layer, b.kind), lambda b: b.layer):
-        level = [ok and (j in (0, len(blocks)) or not blocks[j - 1].layer
-                         or key(blocks[j - 1]) != key(blocks[j]))
-                 for j, ok in enumerate(allowed)]
-        if level != list(allowed) and level not in levels and sum(level) - 1 >= pp_size:
-            levels.append(level)
-    out = []
-    for level in levels:
-        fused, starts = fuse_blocks(profile, level)
+    """``Setting.coarser``: chains with cuts only where a coarser level (``half``, then
+    ``layer``) allows them (``autopart.levels.stage_ends``)."""
+    level = profile.setup.granularity
+    out, seen = [], [list(allowed)]
+    for coarser in ("half", "layer"):
+        if LEVELS.index(coarser) >= LEVELS.index(level):
+            continue
+        ends = stage_ends(profile.blocks, coarser)
+        mask = [ok and end for ok, end in zip(allowed, ends)]
+        if mask in seen or sum(mask) - 1 < pp_size:
+            continue
+        seen.append(mask)
+        fused, starts = fuse_blocks(profile, mask)
         out.append((build_chain(block_arrays(fused, setup), setup), tuple(starts)))
     return tuple(out)
 

@@ -55,6 +55,7 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         ranks=tuple(_rank_report(r, sim) for r in results),
         measured_events=tuple(
             (r.rank, *span) for r in results for span in r.spans[median_idx]),
+        parts=dict(plan.parts),
     )
 
 

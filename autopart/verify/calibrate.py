@@ -13,9 +13,7 @@ import dataclasses
 from typing import Any
 
 from autopart.errors import SchemaError
-from autopart.intake.half_slices import collapse_parts, parse_slice
-from autopart.intake.head_split import parse_shard
-from autopart.schema import BlockProfile, Plan, Profile
+from autopart.schema import BlockProfile, Part, Plan, Profile
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
 __all__ = ["calibrate_profile"]
@@ -46,23 +44,22 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
             already folded into ``profile``, or names blocks ``profile`` lacks.
     """
     _check(profile, report, plan)
-    index = {b.name: i for i, b in enumerate(profile.blocks)}
     blocks = list(profile.blocks)
     factors = []
-    shares: dict[str, list[tuple[float, dict[str, float]]]] = {}
+    shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
     for stage in report.stages:
         ratio = _ratios(stage)
         for name in stage.modules:
-            # a head shard or half slice i of k: its stage's ratio counts for 1/k of the block
-            parsed = parse_shard(name) or parse_slice(name)
-            block, weight = (parsed[0], 1 / parsed[2]) if parsed else (name, 1.0)
-            shares.setdefault(block, []).append((weight, ratio))
+            parts = tuple(report.parts.get(name, ()))
+            weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
+            for i in _covered(profile, name, parts):
+                shares.setdefault(i, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
                         "last_block": stage.modules[-1], **ratio})
-    for name, parts in shares.items():
+    for i, parts in shares.items():
         total = sum(weight for weight, _ in parts)
         mean = {key: sum(weight * r[key] for weight, r in parts) / total for key in parts[0][1]}
-        blocks[index[name]] = _scaled(blocks[index[name]], mean)
+        blocks[i] = _scaled(blocks[i], mean)
     previous = [profile.calibration] if profile.calibration else []
     record = {"source": source, "plan_digest": report.plan_digest,
               "schedule": report.schedule, "device": report.device,
@@ -86,11 +83,27 @@ def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
     if report.plan_digest in _applied_digests(profile.calibration):
         raise SchemaError(f"this run (plan digest {report.plan_digest}) is already folded into "
                           f"the profile; calibrate the original profile, or verify again")
-    names = {b.name for b in profile.blocks}
-    missing = [m for s in report.stages for m in collapse_parts(s.modules) if m not in names]
+    missing = [m for s in report.stages for m in s.modules
+               if not _covered(profile, m, tuple(report.parts.get(m, ())))]
     if missing:
         raise SchemaError(f"the run report names blocks the profile lacks ({missing[:3]}); "
                           f"pass the profile the plan came from")
+
+
+def _covered(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
+    """Indices of the profile's blocks a planned block ran: itself; a part of a module's
+    call (a slice of a half, a shard of the head) runs its share of the blocks of that half
+    or head; a block fused from parts (a layer, a half) runs all of them."""
+    blocks = profile.blocks
+    direct = [i for i, b in enumerate(blocks) if b.name == name]
+    if direct:
+        return direct
+    prefix = parts[:-1] if parts and parts[-1].derived else parts
+    if prefix:
+        return [i for i, b in enumerate(blocks) if b.parts[:len(prefix)] == prefix]
+    module = parts[-1].module if parts else name
+    return [i for i, b in enumerate(blocks)
+            if b.name == module or (b.parts and b.parts[0].module == module)]
 
 
 def _applied_digests(record: dict[str, Any]) -> set[str]:

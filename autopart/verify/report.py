@@ -9,11 +9,11 @@ the timed steps) and per rank for memory.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopart.jsonio import JsonFile
-from autopart.schema import Plan
+from autopart.schema import Part, Plan
 
 __all__ = ["REPORT_SCHEMA_VERSION", "MeasuredMemory", "RankReport", "RunReport", "StageReport",
            "plan_digest", "report_thread_mismatch"]
@@ -126,6 +126,9 @@ class RunReport(JsonFile):
     ``num_threads_per_rank``."""
     measured_events: tuple[tuple[Any, ...], ...] = ()
     """(rank, kind, stage, microbatch, start_ms, end_ms) of the median step, for traces."""
+    parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)
+    """The plan's ``parts``: what each block of ``stages[].modules`` is a part of (for
+    calibration; empty in reports written before it)."""
     schema_version: int = REPORT_SCHEMA_VERSION
 
     @property

@@ -1,0 +1,230 @@
+"""Which levels and head cuts a plan tries, and the fastest of them (``auto`` granularity).
+
+A profile holds its blocks at the finest level intake measured exactly; the coarser
+levels' cuts are a subset of its cuts, and the search seeds itself with their splits
+(``Setting.coarser``), so one search at the measured level covers them. What it does not
+cover are the derived parts (``autopart.levels``): halves cut by units (``slice``) and the
+head cut by vocabulary, each held whole by every rank with a part. ``auto`` therefore plans
+up to four *choices*: the measured level or ``slice``, each with the head whole or in
+vocabulary shards.
+
+The first choice is searched over every (schedule, v, m); the others over the best
+``_CONFIGS_CARRIED`` configurations it found (their orders are built once and cached),
+a heuristic that keeps ``auto`` within about one search's time and is stated in the plan's
+notes. Slices are kept only when they predict a step ``SLICE_MARGIN`` faster (their costs
+are the half's by unit fraction, not measured), the head's shards when strictly faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from autopart.errors import InfeasibleError, PlanError
+from autopart.levels import MAX_SLICES, at_level, num_shards
+from autopart.schema import LEVELS, Plan, Profile
+from autopart.schema.parts import level_name
+from autopart.solve.cuts import parse_derived
+from autopart.solve.records import Config
+from autopart.solve.request import Request
+
+__all__ = ["SLICE_MARGIN", "Choice", "choice_notes", "choices", "plan_levels"]
+
+SLICE_MARGIN = 0.01
+"""How much faster ``auto`` must predict the sliced plan to keep it."""
+_CONFIGS_CARRIED = 3
+"""Configurations of the first choice's search the other choices are searched over."""
+
+PlanAt = Callable[[Profile, Request, Sequence[Config] | None,
+                   Callable[[int, int, str], None] | None], tuple[Plan, list[Config]]]
+"""``plan_at(profile at a level, request, configs or None, progress) -> (plan, ranked)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One level with the head whole or cut, and the parts per half at ``slice``."""
+
+    level: str
+    head_shards: int = 0
+    slices: int = 0
+
+    @property
+    def label(self) -> str:
+        """``projection, head in 12 shards``: for notes."""
+        head = f", head in {self.head_shards} shards" if self.head_shards else ", head whole"
+        return f"{self.level}{head}"
+
+
+def choices(profile: Profile, request: Request) -> tuple[list[Choice], list[str]]:
+    """The choices ``request`` asks for on ``profile`` (best first to search), and notes.
+
+    Raises:
+        PlanError: Cut names ask for slices or shards in more than one count.
+    """
+    opts = request.options
+    measured = profile.setup.granularity
+    notes: list[str] = []
+    if opts.target is not None:
+        if measured != "layer" or profile.model.head_split_rows:
+            notes.append(f"{opts.target} cannot express cuts inside a layer or the head: "
+                         f"planned at layer granularity")
+        return [Choice("layer")], notes
+    if opts.cuts is not None:
+        return [_cut_choice(profile, opts.cuts)], notes
+    shards = num_shards(profile) if _splits_head(profile) else 0
+    if opts.granularity == "auto":
+        levels = [measured] + (["slice"] if _slices(profile) and measured != "layer" else [])
+    else:
+        level = level_name(opts.granularity)
+        levels, why = [_offered(profile, level)], ""
+        if levels[0] != level:
+            why = (f"{level} level asked for, but {_why_not(profile, level)}: planned at "
+                   f"{levels[0]}")
+            notes.append(why)
+    heads = [shards, 0] if shards and opts.split_head is not False else [0]
+    if opts.split_head is True:
+        if not shards:
+            notes.append("the head cannot be split by vocabulary here (not an nn.Linear whose "
+                         "output the model returns as is): kept whole")
+        heads = [shards] if shards else [0]
+    out = [Choice(level, head, 4 if level == "slice" else 0)
+           for level in levels for head in heads if level != "layer" or not head
+           or opts.granularity == "auto" or opts.split_head]
+    return out or [Choice(levels[0])], notes
+
+
+def _cut_choice(profile: Profile, cuts: Sequence[str]) -> Choice:
+    """The level and counts the cut names need: slices and shards named by ``<i>of<k>``."""
+    counts: dict[str, set[int]] = {"units": set(), "vocab": set()}
+    for name in cuts:
+        parsed = parse_derived(name)
+        if parsed is not None:
+            counts[parsed[1]].add(parsed[3])
+    for axis, what in (("units", "slice"), ("vocab", "shard")):
+        if len(counts[axis]) > 1:
+            raise PlanError(f"--cuts names {what}s of {sorted(counts[axis])} parts; all "
+                            f"{what} names must agree on K (<i>of<K>)")
+    slices = min(next(iter(counts["units"]), 0), MAX_SLICES)
+    shards = next(iter(counts["vocab"]), 0)
+    level = "slice" if slices else profile.setup.granularity
+    return Choice(level, shards, slices)
+
+
+def _splits_head(profile: Profile) -> bool:
+    head = profile.blocks[-1]
+    return bool(profile.model.head_split_rows) and head.kind == "head" and not head.parts
+
+
+def _slices(profile: Profile) -> bool:
+    return bool(profile.model.slice_units)
+
+
+def _offered(profile: Profile, level: str) -> str:
+    """``level`` if the profile offers it, else the finest level it has below it."""
+    measured = profile.setup.granularity
+    if level == "slice":
+        return level if _slices(profile) and measured != "layer" else measured
+    return min(level, measured, key=LEVELS.index)
+
+
+def _why_not(profile: Profile, level: str) -> str:
+    if level == "slice":
+        why = [n for n in profile.model.notes if "cannot be sliced" in n]
+        return why[0] if why else "no half of this profile can be cut by units"
+    return f"the profile holds {profile.setup.granularity}-level blocks"
+
+
+def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
+                progress: Callable[[int, int, str], None] | None) -> Plan:
+    """The fastest plan over ``choices(profile, request)`` (module docstring).
+
+    Raises:
+        InfeasibleError: No choice fits (the first choice's message).
+    """
+    tried, notes = choices(profile, request)
+    plans: list[tuple[Choice, Plan]] = []
+    first_error: InfeasibleError | None = None
+    carried: list[Config] | None = None
+    for k, choice in enumerate(tried):
+        step = _progress(progress, k, len(tried))
+        try:
+            plan, ranked = plan_at(_profile_at(profile, choice), request, carried, step)
+        except InfeasibleError as exc:
+            first_error = first_error or exc
+            continue
+        if carried is None:
+            carried = ranked[:_CONFIGS_CARRIED]
+        plans.append((choice, plan))
+    if not plans:
+        assert first_error is not None
+        raise first_error
+    choice, best = _fastest(plans)
+    notes += choice_notes(profile, choice) + _alternatives(plans, choice)
+    return dataclasses.replace(best, notes=(*best.notes, *notes))
+
+
+def choice_notes(profile: Profile, choice: Choice) -> list[str]:
+    """What a plan at ``choice`` derives by fraction and holds whole: one line for halves
+    cut by units, one for the head cut by vocabulary."""
+    out = []
+    units = profile.model.slice_units
+    if choice.level == "slice" and units:
+        what = {"attention": "KV-head groups", "mlp": "column groups"}
+        kinds = ", ".join(f"{k} into {min(choice.slices or 4, u)} {what.get(k, 'parts')}"
+                          for k, u in sorted(units.items()))
+        out.append(f"halves cut inside their call: {kinds}, costs by unit fraction; a rank "
+                   f"with a slice holds its half whole and sums its gradient with the other "
+                   f"holder after the step")
+    if choice.head_shards:
+        head = profile.blocks[-1]
+        grad_ms = profile.setup.head_grad_ms
+        grad = (f"{grad_ms:.3g} ms, {profile.setup.time_source.split(':')[0]}" if grad_ms > 0
+                else "not in this profile: re-profile to count it")
+        out.append(f"{head.name} split into {choice.head_shards} vocabulary shards, costs by "
+                   f"vocabulary fraction; every rank with a shard holds the whole head weight "
+                   f"({head.num_params / 1e6:.1f}M parameters, counted once per rank), "
+                   f"zero-fills its gradient once per step ({grad}) and sums it with the "
+                   f"other holders after the step")
+    return out
+
+
+def _profile_at(profile: Profile, choice: Choice) -> Profile:
+    return at_level(profile, choice.level, choice.head_shards, choice.slices or 4)
+
+
+def _fastest(plans: list[tuple[Choice, Plan]]) -> tuple[Choice, Plan]:
+    """The fastest plan; a sliced one must be ``SLICE_MARGIN`` faster than the fastest
+    unsliced one, a split head strictly faster than the same level with the head whole
+    (earlier choices win ties)."""
+    whole = [(c, p) for c, p in plans if c.level != "slice"]
+    sliced = [(c, p) for c, p in plans if c.level == "slice"]
+    def key(cp: tuple[Choice, Plan]) -> tuple[float, bool]:
+        return cp[1].predicted_step_ms, cp[0].head_shards > 0
+
+    best = min(whole, key=key) if whole else None
+    fine = min(sliced, key=key) if sliced else None
+    if best is None or (fine is not None and fine[1].predicted_step_ms
+                        < (1 - SLICE_MARGIN) * best[1].predicted_step_ms):
+        assert fine is not None
+        return fine
+    return best
+
+
+def _alternatives(plans: list[tuple[Choice, Plan]], chosen: Choice) -> list[str]:
+    """One line on what else was tried, when anything was."""
+    if len(plans) < 2:
+        return []
+    others = ", ".join(f"{c.label} {p.predicted_step_ms:.1f} ms" for c, p in plans
+                       if c != chosen)
+    return [f"granularity: {chosen.label} chosen; also predicted: {others} (choices after the "
+            f"first searched over its {_CONFIGS_CARRIED} best schedule/v/m; slices kept only "
+            f"when {SLICE_MARGIN:.0%} faster)"]
+
+
+def _progress(progress: Callable[[int, int, str], None] | None, k: int, num: int
+              ) -> Callable[[int, int, str], None] | None:
+    """Progress of choice ``k`` of ``num`` as one bar."""
+    if progress is None:
+        return None
+    return lambda done, total, what: progress(k * total + done, num * total, what)
