@@ -91,11 +91,13 @@ def fuse(blocks: Sequence[BlockProfile], *, name: str | None = None, kind: str |
 
     Times, parameters and saved activations add up; the output is the last block's; the
     workspace is the largest, and its weight-gradient share is what the largest
-    gradient-free workspace leaves of it. Identity fields default to the last block's.
+    gradient-free workspace leaves of it. Identity fields default to the last block's,
+    the parts to those all of ``blocks`` share (a run of all parts of a module is that
+    module).
 
     Args:
         blocks: Consecutive blocks (one is returned as is when no field is given).
-        name, kind, parts, modules, class_name: The fused block's, if not the last's.
+        name, kind, parts, modules, class_name: The fused block's, if not the default.
 
     Returns:
         The fused block (``measured`` of the first, ``reused_from`` unset).
@@ -110,6 +112,12 @@ def fuse(blocks: Sequence[BlockProfile], *, name: str | None = None, kind: str |
     def total(field: str) -> float:
         return sum(getattr(b, field) for b in blocks)
 
+    if parts is None:
+        shared = 0
+        while all(len(b.parts) > shared and b.parts[shared] == last.parts[shared]
+                  for b in blocks):
+            shared += 1
+        given["parts"] = last.parts[:shared]
     work = max(b.transient_bytes for b in blocks)
     return dataclasses.replace(
         last, fwd_ms=total("fwd_ms"), bwd_ms=total("bwd_ms"),

@@ -26,7 +26,7 @@ table (``ACT`` 0, ``GRAD`` 1), its destination rank (-1), flush (0, 1, or 2: the
 waits for its sends)."""
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)
 def compiled_arrays(schedule: str, pp_size: int, virtual_stages: int,
                     num_microbatches: int) -> tuple[np.ndarray, ...]:
     """Per rank, its actions in run order as rows of ``COLUMNS`` (see ``compiled_plan``

@@ -24,7 +24,7 @@ ACT, GRAD, BDONE = 0, 1, 2
 _NO_DST = -1
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=64)
 def compiled_plan(schedule: str, pp_size: int, virtual_stages: int,
                   num_microbatches: int) -> tuple[tuple[tuple, ...], ...]:
     """Per rank, each action as ``(kind_idx, stage, mb, deps, local_outs, send_code,
@@ -109,7 +109,7 @@ def _merge_group(parts: list[tuple]) -> list[tuple]:
     return [p[:8] + (pos == len(parts) - 1,) for pos, p in enumerate(parts)]
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=64)
 def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
                 ) -> tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray], ...]:
     """Per rank: its stages, one row per distinct moment an action runs with how many

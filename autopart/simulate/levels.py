@@ -111,7 +111,7 @@ class LevelPlan:
         return end, busy, step
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)
 def level_plan(schedule: str, pp_size: int, virtual_stages: int,
                num_microbatches: int) -> LevelPlan:
     """The cached ``LevelPlan`` of a configuration (from ``compiled_arrays``)."""

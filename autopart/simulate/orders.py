@@ -103,7 +103,7 @@ def action_groups(schedule: str, pp_size: int, virtual_stages: int,
     return _orders(schedule, pp_size, virtual_stages, num_microbatches)[0]
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)
 def _orders(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: int
             ) -> tuple[tuple[tuple[Group, ...], ...], tuple[np.ndarray, ...]]:
     """``action_groups`` and ``action_arrays``, built and checked once."""

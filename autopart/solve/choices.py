@@ -9,10 +9,12 @@ up to four *choices*: the measured level or ``slice``, each with the head whole 
 vocabulary shards.
 
 The first choice is searched over every (schedule, v, m); the others over the best
-``_CONFIGS_CARRIED`` configurations it found (their orders are built once and cached),
-a heuristic that keeps ``auto`` within about one search's time and is stated in the plan's
-notes. Slices are kept only when they predict a step ``SLICE_MARGIN`` faster (their costs
-are the half's by unit fraction, not measured), the head's shards when strictly faster.
+``_CONFIGS_CARRIED`` configurations it found (their orders are built once and cached).
+The local search, most of a search's time, then runs on the finalists only: the fastest
+choice with whole halves and the fastest with slices. Both are heuristics that keep
+``auto`` within about one search's time, stated in the plan's notes. Slices are kept only
+when they predict a step ``SLICE_MARGIN`` faster (their costs are the half's by unit
+fraction, not measured), the head's shards when strictly faster.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ SLICE_MARGIN = 0.01
 """How much faster ``auto`` must predict the sliced plan to keep it."""
 _CONFIGS_CARRIED = 3
 """Configurations of the first choice's search the other choices are searched over."""
+_FINALIST_MARGIN = 0.02
+"""A sliced choice this close to the fastest unsliced one before the local search is
+refined too."""
 
 PlanAt = Callable[[Profile, Request, Sequence[Config] | None,
                    Callable[[int, int, str], None] | None], tuple[Plan, list[Config]]]
@@ -139,29 +144,67 @@ def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
                 progress: Callable[[int, int, str], None] | None) -> Plan:
     """The fastest plan over ``choices(profile, request)`` (module docstring).
 
+    Every choice is searched without the local search first; then the fastest choice with
+    whole halves and the fastest with slices (when within ``_FINALIST_MARGIN`` of it) are
+    searched again over their best configurations with it, and the faster of those wins.
+
     Raises:
         InfeasibleError: No choice fits (the first choice's message).
     """
     tried, notes = choices(profile, request)
-    plans: list[tuple[Choice, Plan]] = []
+    refine = request.search.refine_evals > 0 and len(tried) > 1
+    scan = dataclasses.replace(request, search=dataclasses.replace(
+        request.search, refine_evals=0)) if refine else request
+    rounds = len(tried) + (2 if refine else 0)
+    found: list[tuple[Choice, Plan, list[Config]]] = []
     first_error: InfeasibleError | None = None
     carried: list[Config] | None = None
     for k, choice in enumerate(tried):
-        step = _progress(progress, k, len(tried))
         try:
-            plan, ranked = plan_at(_profile_at(profile, choice), request, carried, step)
+            plan, ranked = plan_at(_profile_at(profile, choice), scan, carried,
+                                   _progress(progress, k, rounds))
         except InfeasibleError as exc:
             first_error = first_error or exc
             continue
         if carried is None:
             carried = ranked[:_CONFIGS_CARRIED]
-        plans.append((choice, plan))
-    if not plans:
+        found.append((choice, plan, ranked))
+    if not found:
         assert first_error is not None
         raise first_error
-    choice, best = _fastest(plans)
+    plans = [(c, p) for c, p, _ in found]
+    if refine:
+        finalists = _finalists(plans)
+        refined = []
+        for k, (choice, _) in enumerate(finalists):
+            ranked = next(r for c, _, r in found if c == choice)
+            refined.append((choice, plan_at(_profile_at(profile, choice), request,
+                                            ranked[:_CONFIGS_CARRIED],
+                                            _progress(progress, len(tried) + k, rounds))[0]))
+        plans = [next((r for r in refined if r[0] == c), (c, p)) for c, p in plans]
+        finalists = refined
+    else:
+        finalists = plans
+    choice, best = _fastest(finalists)
     notes += choice_notes(profile, choice) + _alternatives(plans, choice)
     return dataclasses.replace(best, notes=(*best.notes, *notes))
+
+
+def _finalists(plans: list[tuple[Choice, Plan]]) -> list[tuple[Choice, Plan]]:
+    """The fastest choice with whole halves, and the fastest with slices when it is within
+    ``_FINALIST_MARGIN`` of it (the local search may still make it ``SLICE_MARGIN`` faster)."""
+    def key(cp: tuple[Choice, Plan]) -> tuple[float, bool]:
+        return cp[1].predicted_step_ms, cp[0].head_shards > 0
+
+    whole = sorted((cp for cp in plans if cp[0].level != "slice"), key=key)
+    sliced = sorted((cp for cp in plans if cp[0].level == "slice"), key=key)
+    if not whole:
+        return sliced[:1]
+    out = whole[:1]
+    if sliced and sliced[0][1].predicted_step_ms < (1 + _FINALIST_MARGIN) * \
+            whole[0][1].predicted_step_ms:
+        out.append(sliced[0])
+    return out
 
 
 def choice_notes(profile: Profile, choice: Choice) -> list[str]:
@@ -218,8 +261,8 @@ def _alternatives(plans: list[tuple[Choice, Plan]], chosen: Choice) -> list[str]
     others = ", ".join(f"{c.label} {p.predicted_step_ms:.1f} ms" for c, p in plans
                        if c != chosen)
     return [f"granularity: {chosen.label} chosen; also predicted: {others} (choices after the "
-            f"first searched over its {_CONFIGS_CARRIED} best schedule/v/m; slices kept only "
-            f"when {SLICE_MARGIN:.0%} faster)"]
+            f"first searched over its {_CONFIGS_CARRIED} best schedule/v/m, the local search "
+            f"on the fastest; slices kept only when {SLICE_MARGIN:.0%} faster)"]
 
 
 def _progress(progress: Callable[[int, int, str], None] | None, k: int, num: int

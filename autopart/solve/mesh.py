@@ -36,14 +36,13 @@ from autopart.profile.devices import DeviceSpec
 from autopart.schema import DTYPE_BYTES, Plan, Profile
 from autopart.simulate import simulate_plan
 from autopart.solve.options import PlanOptions, device_of
-from autopart.solve.search import make_plan
+from autopart.solve.search import make_plan, scan_plan
 
 __all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
 
-_NUM_REFINED_MESHES = 5
-"""How many of the fastest meshes (after a scan without it) get the local search."""
-_REFINE_EVALS = 300
-"""``make_plan``'s default local-search budget per refined candidate."""
+_NUM_REFINED_MESHES = 2
+"""How many of the fastest meshes of the scan (one level, no local search) are planned as
+asked (every level, the local search)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +66,8 @@ class MeshCandidate:
     lost_because: str = ""
     """Why it lost to the chosen mesh: ``memory``, ``bubble``, ``communication`` or
     ``compute``, with the figure; empty for the chosen mesh."""
+    refused: str = ""
+    """Why no plan of this mesh could be made at all (one line), when that was not memory."""
 
     @property
     def fits(self) -> bool:
@@ -93,7 +94,7 @@ never silent."""
 
 
 def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
-               dp: int | str = "auto", num_blocks: int,
+               dp: int | str = "auto", num_blocks: int, num_whole_blocks: int | None = None,
                global_batch_size: int | None = None,
                micro_batch_size: int = 1) -> list[tuple[int, int, int]]:
     """Every (tp, pp, dp) with tp dividing the node, tp * pp * dp == devices.
@@ -105,6 +106,8 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
         pp: Pipeline size or ``"auto"`` (at most ``num_blocks``).
         dp: Data-parallel size or ``"auto"``.
         num_blocks: Blocks in the profile.
+        num_whole_blocks: Blocks at whole layers with the head whole, what a mesh with
+            tp above 1 plans (default ``num_blocks``).
         global_batch_size: When given, dp x micro_batch_size must divide it.
         micro_batch_size: Samples per microbatch.
 
@@ -135,7 +138,8 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
     for t in _divisors(devices):
         for p in _divisors(devices // t):
             d = devices // (t * p)
-            if node_size % t or p > num_blocks or any(
+            most = num_blocks if t == 1 else (num_whole_blocks or num_blocks)
+            if node_size % t or p > most or any(
                     v != "auto" and v != x for v, x in ((tp, t), (pp, p), (dp, d))):
                 continue
             if global_batch_size is not None and global_batch_size % (d * micro_batch_size):
@@ -190,6 +194,7 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
     meshes = mesh_sizes(opts.devices, spec.node_size, tp=opts.tp_size,
                         pp=opts.pp_size if opts.pp_size is not None else "auto",
                         dp=opts.dp_size, num_blocks=len(profile.blocks),
+                        num_whole_blocks=len(coarsen(profile, "layer", head=False).blocks),
                         global_batch_size=opts.global_batch_size,
                         micro_batch_size=profile.setup.micro_batch_size)
     if shard_of is None:
@@ -202,27 +207,31 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
     whole = coarsen(profile, "layer", head=False)  # tp shards whole layers (``_plan_one``)
     intra = spec.intra_node
 
-    def plan_one(mesh: tuple[int, int, int], refine_evals: int) -> MeshCandidate:
+    def plan_one(mesh: tuple[int, int, int], options: PlanOptions,
+                 planner: Callable[[Profile, PlanOptions], Plan]) -> MeshCandidate:
         t = mesh[0]
         if t not in shards:
             shards[t] = shard_profile(
                 whole, t, sequence_parallel=opts.sequence_parallel, shard=shard_of(t),
                 bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s, latency_ms=intra.latency_ms)
-        return _plan_one(shards[t], spec, mesh, dataclasses.replace(
-            opts, refine_evals=refine_evals))
+        return _plan_one(shards[t], spec, mesh, options, planner)
 
-    # Scan every mesh without the local search, then refine the best few: the local
-    # search simulates hundreds of splits, too many for every mesh of a large cluster.
+    # Scan every mesh at one level (the profile's, the head cut where it can be) with the
+    # DP alone, then plan the best few as asked: the levels, the ILP and the local search
+    # multiply the work, too much for every mesh of a large cluster.
+    scan = dataclasses.replace(opts, refine_evals=0)
+    if opts.granularity == "auto" and opts.split_head is None:
+        scan = dataclasses.replace(scan, granularity=profile.setup.granularity,
+                                   split_head=bool(profile.model.head_split_rows))
     found = []
     for done, mesh in enumerate(meshes, 1):
-        found.append(plan_one(mesh, 0))
+        found.append(plan_one(mesh, scan, scan_plan))
         if progress is not None:
             progress(done, len(meshes) + 1, "tp={} pp={} dp={}".format(*mesh))
     best_few = sorted((c for c in found if c.fits), key=_order)[:_NUM_REFINED_MESHES]
-    if opts.refine_evals > 0:
-        for cand in best_few:
-            found[found.index(cand)] = plan_one((cand.tp_size, cand.pp_size, cand.dp_size),
-                                                opts.refine_evals)
+    for cand in best_few:
+        found[found.index(cand)] = plan_one((cand.tp_size, cand.pp_size, cand.dp_size), opts,
+                                            make_plan)
     if progress is not None:
         progress(len(meshes) + 1, len(meshes) + 1, "local search")
     return _ranked(found, opts.devices)
@@ -235,6 +244,9 @@ def _order(cand: MeshCandidate) -> tuple:
 def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
     """The fastest fitting mesh first, then the others with why each lost."""
     fitting = sorted((c for c in found if c.fits), key=_order)
+    if not fitting and all(c.refused for c in found):
+        raise PlanError(f"no tp x pp x dp mesh of {devices} devices can be planned: "
+                        f"{found[0].refused}")
     if not fitting:
         need = [c.needed_bytes for c in found if c.needed_bytes is not None]
         more = f"; the smallest needs {min(need)} bytes per device" if need else ""
@@ -244,13 +256,15 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
     best = fitting[0]
     ranked = [best] + [_with_reason(c, best) for c in fitting[1:]]
     refused = sorted((c for c in found if not c.fits),
-                     key=lambda c: (c.needed_bytes or 0, c.tp_size, c.pp_size))
-    ranked += [dataclasses.replace(c, lost_because=_memory_reason(c)) for c in refused]
+                     key=lambda c: (bool(c.refused), c.needed_bytes or 0, c.tp_size, c.pp_size))
+    ranked += [dataclasses.replace(c, lost_because=c.refused or _memory_reason(c))
+               for c in refused]
     return MeshResult(plan=best.plan, candidates=tuple(ranked))
 
 
 def _plan_one(sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
-              opts: PlanOptions) -> MeshCandidate:
+              opts: PlanOptions, planner: Callable[[Profile, PlanOptions], Plan]
+              ) -> MeshCandidate:
     """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync.
 
     Under tensor parallelism the plan keeps whole layers and the head whole: autopart's
@@ -273,10 +287,13 @@ def _plan_one(sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
     if tp > 1:
         fields.update(granularity="layer", split_head=False)
     try:
-        plan = make_plan(sharded, dataclasses.replace(opts, **fields))
+        plan = planner(sharded, dataclasses.replace(opts, **fields))
     except InfeasibleError as exc:
         return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
                              needed_bytes=exc.needed_bytes)
+    except PlanError as exc:  # e.g. no schedule runs this pp with these microbatches
+        return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
+                             refused=str(exc))
     sync = _grad_sync_ms(plan, dp, dp_link.bandwidth_bytes_per_s, dp_link.latency_ms)
     per_rank = [0.0]
     if tp > 1:

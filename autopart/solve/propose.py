@@ -8,15 +8,17 @@ from autopart.schedules import recompute_allowed, schedule_info, stage_to_rank
 from autopart.schema import SolverInfo
 from autopart.simulate import max_in_flight
 from autopart.solve.baselines import BASELINES
+from autopart.solve.chain import Chain
 from autopart.solve.dp import solve_dp
 from autopart.solve.ilp import solve_ilp
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.setting import Setting
 
-__all__ = ["propose", "propose_baselines", "propose_dp", "propose_ilp"]
+__all__ = ["propose", "propose_baselines", "propose_dp", "propose_ilp", "second_opinion"]
 
 ILP_AUTO_MAX_CELLS = 2048
-"""``solver="auto"`` adds the ILP for v > 1 when blocks x stages is at most this."""
+"""``solver="auto"`` adds the ILP for v > 1 when blocks x stages of the coarsest chain is
+at most this (``second_opinion``)."""
 
 
 def propose(setting: Setting, config: Config, options: Options) -> list[Candidate]:
@@ -36,11 +38,24 @@ def propose(setting: Setting, config: Config, options: Options) -> list[Candidat
     out = []
     if options.solver in ("auto", "dp"):
         out += propose_dp(setting, config, options)
-    cells = setting.chain.num_blocks * config.num_stages
-    if options.solver == "ilp" or (options.solver == "auto" and config.virtual_stages > 1
-                                   and cells <= ILP_AUTO_MAX_CELLS):
+    if options.solver == "ilp":
         out += propose_ilp(setting, config, options)
-    return out + propose_baselines(setting, config)
+    return out + (propose_baselines(setting, config) if options.baseline_seeds else [])
+
+
+def second_opinion(setting: Setting, config: Config, options: Options) -> list[Candidate]:
+    """``solver="auto"``: the ILP's split for a multi-stage configuration, on the coarsest
+    chain (whole layers and head when the profile is cut inside them) if it has at most
+    ``ILP_AUTO_MAX_CELLS`` blocks x stages; its exact rank sums seed the local search on
+    the finer chain. The search asks for it on its best configurations only."""
+    if options.solver != "auto" or config.virtual_stages == 1 or options.cuts is not None \
+            or options.partition != "optimal":
+        return []
+    chain, starts = setting.coarser[-1] if setting.coarser else (setting.chain, setting.starts)
+    if config.num_stages > chain.num_blocks or \
+            chain.num_blocks * config.num_stages > ILP_AUTO_MAX_CELLS:
+        return []
+    return propose_ilp(setting, config, options, chain, starts)
 
 
 def _recompute_allowed(config: Config, options: Options) -> bool:
@@ -79,16 +94,22 @@ def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candi
     return out
 
 
-def propose_ilp(setting: Setting, config: Config, options: Options) -> list[Candidate]:
-    """The ILP's split (exact rank sums for v > 1). Under ``solver="auto"`` only a
+def propose_ilp(setting: Setting, config: Config, options: Options,
+                chain: Chain | None = None, starts: tuple[int, ...] | None = None
+                ) -> list[Candidate]:
+    """The ILP's split (exact rank sums for v > 1) of ``chain`` (default: the setting's;
+    ``starts``: the original position of its blocks). Under ``solver="auto"`` only a
     proven optimum counts: a split the node limit stopped at is not a second opinion."""
+    coarser = chain is not None and chain is not setting.chain
+    chain = chain if chain is not None else setting.chain
+    starts = starts if starts is not None else setting.starts
     style = schedule_info(config.schedule).style
     ranks = [stage_to_rank(s, config.pp_size, config.virtual_stages, style)
              for s in range(config.num_stages)]
     in_flight = max_in_flight(config.schedule, config.pp_size, config.virtual_stages,
                               config.num_microbatches)
     try:
-        ilp = solve_ilp(setting.chain, stage_ranks=ranks, in_flight=in_flight,
+        ilp = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight,
                         num_microbatches=config.num_microbatches,
                         limit_bytes=setting.setup.memory_limit_bytes,
                         allow_recompute=_recompute_allowed(config, options),
@@ -98,8 +119,10 @@ def propose_ilp(setting: Setting, config: Config, options: Options) -> list[Cand
         raise PlanError(str(exc)) from None
     if ilp is None or (options.solver != "ilp" and ilp.status != "optimal"):
         return []
-    ev = setting.evaluate(config, setting.unfuse(ilp.bounds), ilp.recompute)
-    status = "model_optimal" if ilp.status == "optimal" else ilp.status
+    ev = setting.evaluate(config, tuple((starts[i], starts[j]) for i, j in ilp.bounds),
+                          ilp.recompute)
+    status = ("layer_optimal" if coarser else "model_optimal") if ilp.status == "optimal" \
+        else ilp.status
     return [Candidate(ev, SolverInfo(name="ilp", status=status, gap=ilp.gap,
                                      backend=ilp.backend, objective_ms=ilp.objective_ms))]
 

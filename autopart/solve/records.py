@@ -34,6 +34,9 @@ class Options:
     """Simulations the local search may spend per refined candidate (0: no local search)."""
     cuts: tuple[tuple[int, int], ...] | None = None
     """A split the user gave (``partition="cuts"``): evaluated as is under every config."""
+    baseline_seeds: bool = True
+    """Simulate the public baselines' splits as candidates too (off in the mesh search's
+    scan, which only ranks meshes)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from autopart.solve.baselines import BASELINES
 from autopart.solve.choices import plan_levels
 from autopart.solve.cuts import cut_bounds
 from autopart.solve.options import PlanOptions
-from autopart.solve.propose import propose
+from autopart.solve.propose import propose, second_opinion
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.refine import legal, refine_counted
 from autopart.solve.request import Request, resolve_request
@@ -37,6 +37,9 @@ PARTITIONS = ("optimal", *BASELINES)
 SOLVERS = ("auto", "dp", "ilp")
 _NUM_REFINED = 3
 """How many of the best (schedule, v, m) candidates the local search refines."""
+_SEEDS_PER_CONFIG = 3
+"""How many of a refined configuration's fastest distinct splits the local search starts
+from (the DP's at each level, the ILP's and the baselines' are often the same few)."""
 _REFINE_NODE_BUDGET = 100_000_000
 """DAG nodes (``simulate.levels``) the local search may simulate in all, a bound on its
 work that binds only at scale (a heuristic, deterministic on every machine): a step of
@@ -78,6 +81,17 @@ def make_plan(profile: Profile, options: PlanOptions | None = None, /, *,
         return plan_mesh(profile, opts, progress=progress).plan
     request = resolve_request(profile, opts)
     return plan_levels(profile, request, _plan_at, progress)
+
+
+def scan_plan(profile: Profile, options: PlanOptions) -> Plan:
+    """``make_plan`` as a quick estimate, to rank the meshes of a cluster: the DP's split
+    alone (no baselines as seeds, no ILP, no local search); the baselines are still
+    simulated beside the plan."""
+    request = resolve_request(profile, dataclasses.replace(options, refine_evals=0))
+    request = dataclasses.replace(request, search=dataclasses.replace(
+        request.search, baseline_seeds=False,
+        solver="dp" if options.solver == "auto" else options.solver))
+    return plan_levels(profile, request, _plan_at, None)
 
 
 def _plan_at(profile: Profile, request: Request, configs: Sequence[Config] | None,
@@ -137,6 +151,9 @@ def _search(settings: dict[int, Setting], configs: list[Config], options: Option
         if progress is not None:
             progress(done, total, config.label)
     fitting = [c for c in found if c.evaluated.fits]
+    for config in _best_configs(fitting):
+        fitting += [c for c in second_opinion(settings[config.num_microbatches], config,
+                                              options) if c.evaluated.fits]
     if not fitting:
         raise _explain.infeasible(settings, configs, found, options)
     if options.partition == "optimal" and options.refine_evals > 0:
@@ -145,6 +162,12 @@ def _search(settings: dict[int, Setting], configs: list[Config], options: Option
         progress(total, total, "local search")
     ranked = sorted(fitting, key=lambda c: _rank_key(c.evaluated))
     return ranked[0], list(dict.fromkeys(Config.of(c.evaluated) for c in ranked))
+
+
+def _best_configs(candidates: list[Candidate]) -> list[Config]:
+    """The ``_NUM_REFINED`` configurations of the fastest candidates, best first."""
+    ranked = sorted(candidates, key=lambda c: _rank_key(c.evaluated))
+    return list(dict.fromkeys(Config.of(c.evaluated) for c in ranked))[:_NUM_REFINED]
 
 
 class _VirtualTrend:
@@ -200,7 +223,8 @@ def _check_args(profile: Profile, pp_size: int, partition: str, solver: str,
 
 def _refined(settings: dict[int, Setting], fitting: list[Candidate],
              max_evals: int) -> list[Candidate]:
-    """Local search from every distinct candidate of each of the best few configurations.
+    """Local search from the fastest distinct candidates of each of the best few
+    configurations (``_SEEDS_PER_CONFIG`` each).
 
     Every seed is refined on its own (a hill-climb's end depends on its start), so a
     better seed can only add a better end point, never take one away. Seeds run fastest
@@ -208,20 +232,18 @@ def _refined(settings: dict[int, Setting], fitting: list[Candidate],
     ``_REFINE_NODE_BUDGET`` DAG nodes in all (see there: it binds only at scale).
     """
     ranked = sorted(fitting, key=lambda c: _rank_key(c.evaluated))
-    top: list[Config] = []
-    for cand in ranked:
-        config = Config.of(cand.evaluated)
-        if config not in top:
-            top.append(config)
-    top = top[:_NUM_REFINED]
+    top = _best_configs(ranked)
     out = list(fitting)
     judges = {config: ConfigJudge(settings[config.num_microbatches], config) for config in top}
     visited: dict[Config, set] = {config: set() for config in top}
+    seeds: dict[Config, set] = {config: set() for config in top}
     nodes_left = _REFINE_NODE_BUDGET
     for cand in ranked:
         config, ev = Config.of(cand.evaluated), cand.evaluated
-        if config not in top:
+        if config not in top or len(seeds[config]) >= _SEEDS_PER_CONFIG or \
+                (ev.bounds, ev.recompute) in seeds[config]:
             continue
+        seeds[config].add((ev.bounds, ev.recompute))
         judge = judges[config]
         affordable = min(max_evals, nodes_left // judge.num_nodes)
         if affordable <= 0:

@@ -54,10 +54,11 @@ class Setting:
     fused_blocks: tuple[BlockProfile, ...]
     """The blocks of ``chain``: runs with no allowed cut inside merged into one."""
     coarser: tuple[tuple[Chain, tuple[int, ...]], ...] = ()
-    """For a profile cut inside layers: the solvers' chain with cuts between layer halves
-    only and between whole layers only (the coarser levels), each with the original
-    position of its blocks (plus ``n``). Their DP splits seed the search, so that a finer
-    level never plans slower than the coarser split it contains would."""
+    """For a profile cut inside layers or the head: the solvers' chain with cuts between
+    layer halves only and between whole layers only, the head whole (the coarser levels),
+    each with the original position of its blocks (plus ``n``). Their DP splits seed the
+    search, so that a finer level never plans slower than the coarser split it contains
+    would."""
 
     baselines: dict = field(default_factory=dict, compare=False, repr=False)
     """Cache: ``(name, num_stages)`` -> ``baseline``'s split (configurations with the same
@@ -205,14 +206,15 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
 
 def _coarser_chains(profile: Profile, allowed: Sequence[bool], setup: TrainingSetup,
                     pp_size: int) -> tuple[tuple[Chain, tuple[int, ...]], ...]:
-    """``Setting.coarser``: chains with cuts only where a coarser level (``half``, then
-    ``layer``) allows them (``autopart.levels.stage_ends``)."""
+    """``Setting.coarser``: chains with cuts only where a coarser level allows them
+    (``autopart.levels.stage_ends``): ``half``, then ``layer`` with the head whole (the
+    coarsest, where ``solver="auto"`` runs its ILP)."""
     level = profile.setup.granularity
     out, seen = [], [list(allowed)]
     for coarser in ("half", "layer"):
-        if LEVELS.index(coarser) >= LEVELS.index(level):
+        if LEVELS.index(coarser) > LEVELS.index(level):
             continue
-        ends = stage_ends(profile.blocks, coarser)
+        ends = stage_ends(profile.blocks, coarser, head=coarser != "layer")
         mask = [ok and end for ok, end in zip(allowed, ends)]
         if mask in seen or sum(mask) - 1 < pp_size:
             continue
