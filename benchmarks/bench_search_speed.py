@@ -2,10 +2,14 @@
 
 Run: python benchmarks/bench_search_speed.py [--chains 100] [--skip-auto]
 
-(a) Speed (issue 11 item 5): ``autopart plan`` as a whole process (a subprocess,
-    wall time including imports) on a synthetic 1,000-block profile and on a
-    ~2,000-block sub-layer-like one (attention and MLP halves), pp 64, m 256:
-    a fixed 1F1B plan (target <= 5 s) and the auto search (target <= 15 s).
+(a) Speed: ``autopart plan`` as a whole process (a subprocess, wall time including
+    imports) on a synthetic 1,000-block profile and on a ~2,000-block sub-layer-like one
+    (attention and MLP halves), pp 64, m 256: a fixed 1F1B plan (target <= 5 s) and the
+    auto search (target <= 15 s); and on a 1,003-block profile shaped like what
+    ``autopart profile`` writes by default (Llama-3.2-1B's analytical default profile with
+    its layer repeated to 250 layers: each layer's halves cut before their output
+    projection, halves offered as slices, the head splittable), where the default plan
+    loops over the levels and the head whole or split (target <= 15 s).
     Each run is also checked to leave torch and transformers unimported where the
     schedule does not need torch's orders, and to print the same plan twice.
 (b) Quality (item 6): random 12-block chains, 1F1B pp 4 m 8; every one of the 165
@@ -17,6 +21,7 @@ Ends with one table: case, measured, target, PASS/FAIL.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -58,6 +63,30 @@ def sublayer_profile(num_layers: int) -> Profile:
                                  num_params=layer.num_params - layer.num_params // 3,
                                  activation_bytes=6 * MIB, output_bytes=MIB))
     return make_profile(blocks + list(base.blocks[-2:]), name=f"sublayer{num_layers}")
+
+
+def default_like(num_layers: int = 250) -> Profile:
+    """Llama-3.2-1B's default analytical profile (seq 4096, bf16) with its first layer's
+    four pieces repeated ``num_layers`` times, renamed (parts included)."""
+    from autopart.profile import profile_model
+
+    base = profile_model("llama-3.2-1b", backend="analytical:h100", seq_len=4096,
+                         dtype="bfloat16")
+    pieces = [b for b in base.blocks if b.layer == "model.layers.0"]
+
+    def renamed(block, i: int):
+        def fix(text: str) -> str:
+            return text.replace("model.layers.0", f"model.layers.{i}", 1)
+        return dataclasses.replace(
+            block, name=fix(block.name), modules=tuple(fix(m) for m in block.modules),
+            parts=tuple(dataclasses.replace(p, module=fix(p.module)) for p in block.parts),
+            reused_from=pieces[0].name if i and block is pieces[0] else None)
+
+    blocks = [base.blocks[0], *(renamed(b, i) for i in range(num_layers) for b in pieces),
+              *base.blocks[-2:]]
+    model = dataclasses.replace(base.model, name=f"default{len(blocks)}",
+                                fingerprint=f"fp-default-{len(blocks)}", num_layers=num_layers)
+    return dataclasses.replace(base, model=model, blocks=tuple(blocks))
 
 
 def run_plan(path: Path, extra: list[str]) -> tuple[float, float, str, str]:
@@ -112,7 +141,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, profile in (("1,000 blocks", llama_like(997, act_bytes=10 * MIB)),
-                               ("sub-layer", sublayer_profile(997))):
+                               ("sub-layer", sublayer_profile(997)),
+                               ("default-profile", default_like())):
             path = Path(tmp) / f"{profile.model.name}.json"
             profile.save(str(path))
             cases = [("fixed 1F1B", ["--schedule", "1f1b"], _FIXED_TARGET_S)]

@@ -36,14 +36,29 @@ def torch_groups(torch_class: str, pp_size: int, virtual_stages: int,
     cls = getattr(ts, torch_class)
     sched = cls.__new__(cls)
     _SETUP[torch_class](sched, pp_size, virtual_stages, num_microbatches)
+    single = {ts.FORWARD: "F", ts.BACKWARD_INPUT: "B", ts.BACKWARD_WEIGHT: "W"}
+    if not split_backward:
+        single[ts.FULL_BACKWARD] = "B"
     groups = []
     for rank in range(pp_size):
-        raw = sched._calculate_single_rank_operations(rank)
-        groups.append([_translate(a, split_backward, ts) for a in raw if a is not None])
+        row: list[Group] = []
+        append, kind_of = row.append, single.get
+        for action in sched._calculate_single_rank_operations(rank):
+            if action is None:
+                continue
+            kind = kind_of(action[1])
+            if kind is None or action[2] is None or (kind != "F" and not split_backward
+                                                     and action[1] != ts.FULL_BACKWARD):
+                append(_translate(action, split_backward, ts))  # checks, overlap, B + W
+            else:
+                append(((kind, action[0], action[2]),))
+        groups.append(row)
     return groups
 
 
 def _translate(action: Any, split_backward: bool, ts: Any) -> Group:
+    """One torch action as a group (the slow path, with the checks: overlapped actions and
+    anything unexpected)."""
     ctype = action.computation_type
     if ctype == ts.OVERLAP_F_B:
         assert action.sub_actions is not None, action

@@ -128,10 +128,13 @@ def _orders(schedule: str, pp_size: int, virtual_stages: int, num_microbatches: 
 
 def _flat(row: list[Group]) -> np.ndarray:
     """One rank's groups as ``action_arrays`` rows."""
-    out = np.zeros((sum(map(len, row)), 4), dtype=np.int64)
+    sizes = np.fromiter(map(len, row), dtype=np.int64, count=len(row))
+    out = np.zeros((int(sizes.sum()), 4), dtype=np.int64)
     if len(out):
-        out[:, :3] = [(_KIND[k], s, mb) for grp in row for k, s, mb in grp]
-        out[np.cumsum(np.fromiter(map(len, row), dtype=np.int64)) - 1, 3] = 1
+        kind = _KIND
+        flat = [x for grp in row for k, s, mb in grp for x in (kind[k], s, mb)]
+        out[:, :3] = np.array(flat, dtype=np.int64).reshape(-1, 3)
+        out[np.cumsum(sizes) - 1, 3] = 1
     return out
 
 
