@@ -141,7 +141,8 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
         if shard is not None:
             out = dataclasses.replace(out, num_params=part.num_params,
                                       param_bytes=part.param_bytes,
-                                      transient_bytes=part.transient_bytes)
+                                      transient_bytes=part.transient_bytes,
+                                      adopted_grad_bytes=part.adopted_grad_bytes)
         if shard is not None and not sequence_parallel:
             out = dataclasses.replace(
                 out, fwd_ms=part.fwd_ms + comm_fwd, bwd_input_ms=part.bwd_input_ms + comm_bwd,
@@ -163,7 +164,11 @@ def shard_profile(profile: Profile, tp: int, *, bandwidth_bytes_per_s: float,
 
 def _scaled(block: BlockProfile, tp: int, share: float, comm_fwd: float,
             comm_bwd: float) -> BlockProfile:
-    """One block's shard by scaling: compute / (tp * efficiency), parameters / tp."""
+    """One block's shard by scaling: compute / (tp * efficiency); parameters, their
+    gradients in the workspace, the workspace and what crosses a cut / tp; saved
+    activations and the gradients held from B to W by ``share``. Every byte field scales,
+    so a shard's figures keep the schema's relations (adopted gradients within the
+    workspace)."""
     scale = 1 / (tp * TP_EFFICIENCY)
     split = block.kind != "norm"
     bwd_input = block.bwd_input_ms * scale + comm_bwd
@@ -174,5 +179,9 @@ def _scaled(block: BlockProfile, tp: int, share: float, comm_fwd: float,
         num_params=-(-block.num_params // tp) if split else block.num_params,
         param_bytes=-(-block.param_bytes // tp) if split else block.param_bytes,
         activation_bytes=round(block.activation_bytes * share),
+        held_for_weight_bytes=round(block.held_for_weight_bytes * share),
         output_bytes=-(-block.output_bytes // tp),
-        transient_bytes=-(-block.transient_bytes // tp), measured=())
+        transient_bytes=-(-block.transient_bytes // tp),
+        adopted_grad_bytes=min(-(-block.adopted_grad_bytes // tp) if split
+                               else block.adopted_grad_bytes, -(-block.transient_bytes // tp)),
+        measured=())

@@ -123,3 +123,33 @@ def test_a_module_that_reshapes_by_its_configured_heads_fails_the_check():
     rule, _ = slice_rule(module)
     assert rule is not None and rule.kind == "attention"
     assert "fails on sliced weights" in check_slices(module, rule, args, kwargs)
+
+
+def test_multi_head_attention_is_cut_by_heads_not_columns():
+    """Attention with as many key/value heads as query heads (MHA) is a sum over heads,
+    not over single columns: a column split inside a head (3 of 4 heads' columns, say)
+    would not be the module. Found by the plan fuzz on Gemma-7B (16 heads of 256)."""
+    module, args, kwargs = _calls_with("llama", num_key_value_heads=4)["self_attn"]
+    rule, why = slice_rule(module)
+    assert rule is not None and rule.kind == "attention" and rule.units == 4, why
+    assert check_slices(module, rule, args, kwargs) == ""
+
+
+def _calls_with(model_type: str, **overrides):
+    """``_calls`` of a tiny config with ``overrides``."""
+    config = tiny_config(model_type, **overrides)
+    model = real_model(config)
+    layer = model.model.layers[0]
+    seen = {}
+    def keep(name):
+        def hook(module, args, kwargs):
+            seen.setdefault(name, (module, args, kwargs))
+        return hook
+
+    hooks = [getattr(layer, name).register_forward_pre_hook(keep(name), with_kwargs=True)
+             for name in ("self_attn", "mlp")]
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (2, 6)), use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return seen

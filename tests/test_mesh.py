@@ -226,3 +226,17 @@ def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
     capsys.readouterr()
     assert "as without sequence parallelism" in notes["off"]
     assert "activations / 2" in notes["on"]
+
+
+def test_a_tp_shard_scales_every_byte_field():
+    """The weight gradients in a block's workspace shard with its weights and stay within
+    its workspace, the gradients held from B to W with its activations (a CPU profile of
+    a tiny Qwen2 under tp 2 was refused 'adopted_grad_bytes > transient_bytes')."""
+    base = _two_layers()
+    blocks = tuple(dataclasses.replace(b, transient_bytes=1000, adopted_grad_bytes=1000,
+                                       held_for_weight_bytes=340) for b in base.blocks)
+    sharded = shard_profile(dataclasses.replace(base, blocks=blocks), 2,
+                            bandwidth_bytes_per_s=1e9, latency_ms=0.01)
+    for block in sharded.blocks:
+        assert (block.transient_bytes, block.adopted_grad_bytes) == (500, 500)
+        assert block.held_for_weight_bytes == block.activation_bytes == 170

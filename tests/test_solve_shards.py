@@ -202,3 +202,23 @@ def test_auto_keeps_the_head_whole_when_the_gradient_zero_fill_costs_more():
     fast = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
                                                                   head_grad_ms=0.01))
     assert make_plan(fast, **kwargs).pipeline_cuts == ("lm_head.shard3of24",)
+
+
+def test_choices_skip_configurations_that_need_more_blocks_than_they_have():
+    """The head split into 24 shards allows more stages than the 7 whole blocks: the
+    head-whole choice is searched over the configurations that fit its blocks (found by
+    the plan fuzz: 'num_stages (24) must be in 1..19')."""
+    plan = make_plan(_splittable(), pp_size=3, schedule="interleaved-1f1b",
+                     num_microbatches=6)
+    assert plan.virtual_stages * 3 <= len(plan.stages)
+    assert any(n.startswith("granularity: layer, head in 24 shards chosen") for n in plan.notes)
+
+
+def test_a_cut_inside_a_block_names_the_cuts_there():
+    """A name whose call ends inside a block (a layer's attention half on a profile of
+    whole layers) says where cuts are and how to get finer ones; found by the plan fuzz
+    ('no module of the profile has that name' for model.layers.2.self_attn.o_proj)."""
+    with pytest.raises(PlanError, match=r"model.layers.2.self_attn.o_proj', which is not a cut "
+                                        r"of the profile: its call ends inside a block at the "
+                                        r"layer level \(cuts there: model.layers.2\)"):
+        cut_bounds(llama_like(4), ["model.layers.2.self_attn.o_proj"], 2, "auto")

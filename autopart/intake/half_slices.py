@@ -73,10 +73,10 @@ def slice_rule(module: nn.Module) -> tuple[SliceRule | None, str]:
         return None, f"{type(module).__name__}'s projections do not all read the hidden size"
     others = [(n, c) for n, c in kids if not isinstance(c, nn.Linear)]
     last_only = (f"{out_name}.bias",) if out.bias is not None else ()
-    if all(c.out_features == units_dim for _, c in inputs) and not others:
+    head_dim = getattr(module, "head_dim", None)
+    if head_dim is None and all(c.out_features == units_dim for _, c in inputs) and not others:
         rows = tuple((f"{n}.{p}", 1) for n, c in inputs for p, _ in c.named_parameters())
         return SliceRule("mlp", units_dim, rows, ((f"{out_name}.weight", 1),), last_only), ""
-    head_dim = getattr(module, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim <= 0 or units_dim % head_dim:
         return None, f"{type(module).__name__} has no per-head layout (head_dim) to split by"
     num_heads = units_dim // head_dim

@@ -120,9 +120,9 @@ def _unknown(profile: Profile, cut: str, index: dict[str, int]) -> str:
     if cut in _ending(last) or any(cut == p.module for p in last.parts):
         return (f"--cuts names {cut!r}, the end of the model: a cut ends a stage that has "
                 f"a stage after it")
-    inside = [b.name for b in blocks if any(f == cut or f.startswith(cut + ".")
-                                            for f in (b.modules or (b.name,)))
-              or any(p.module == cut for p in b.parts)]
+    inside = [b.name for b in blocks if any(
+        f == cut or f.startswith(cut + ".") or cut.startswith(f + ".")
+        for f in (b.modules or (b.name,))) or any(p.module == cut for p in b.parts)]
     level = profile.setup.granularity
     if parse_derived(cut) is not None:
         why = ("slices exist where the profile offers them (ModelInfo.slice_units), at most "
@@ -130,9 +130,9 @@ def _unknown(profile: Profile, cut: str, index: dict[str, int]) -> str:
                "the head can be split, all names agreeing on K")
     elif inside:
         nearby = [n for n, j in index.items() if blocks[j - 1].name in inside][:3]
-        why = (f"its call ends inside a block of this {level}-level profile (cuts there: "
-               f"{', '.join(nearby) or 'none'}); a finer level needs `autopart profile` at its "
-               f"default, the finest level")
+        why = (f"its call ends inside a block at the {level} level (cuts there: "
+               f"{', '.join(nearby) or 'none'}); plan and profile at a finer level (the "
+               f"defaults of `autopart plan` and `autopart profile`)")
     else:
         why = f"no module of the profile has that name (blocks: {blocks[0].name} .. {last.name})"
     return f"--cuts names {cut!r}, which is not a cut of the profile: {why}"

@@ -116,8 +116,10 @@ def _plan_at(profile: Profile, request: Request, configs: Sequence[Config] | Non
         raise PlanError(f"--cuts cuts inside a unit {opts.target or 'the cut kinds'} keeps "
                         f"whole (allowed after {'/'.join(request.cut_kinds or ())} blocks "
                         f"only); move the cuts")
-    if configs is None:
-        num_units = min(setting.chain.num_blocks for setting in settings.values())
+    num_units = min(setting.chain.num_blocks for setting in settings.values())
+    configs = [c for c in configs or () if c.num_stages <= num_units
+               and c.num_microbatches in settings]
+    if not configs:  # every configuration, or the carried ones need more blocks
         configs = search_configs(num_units, pp_size, request.schedule, virtual_stages,
                                  sorted(settings))
     best, ranked = _search(settings, list(configs), search, progress)
@@ -204,9 +206,10 @@ def _check_args(profile: Profile, pp_size: int, partition: str, solver: str,
     if pp_size < 1:
         raise PlanError(f"pp_size must be >= 1, got {pp_size}")
     if pp_size > num_blocks:
-        raise PlanError(f"pp_size ({pp_size}) exceeds the number of blocks ({num_blocks}) in "
-                        f"the profile of {profile.model.name!r}; lower --pp to at most "
-                        f"{num_blocks} or profile at finer granularity")
+        raise PlanError(f"pp_size ({pp_size}) exceeds the number of blocks ({num_blocks}) of "
+                        f"{profile.model.name!r} at the {profile.setup.granularity} level; "
+                        f"lower --pp to at most {num_blocks}, or plan and profile at a finer "
+                        f"level (the defaults of `autopart plan` and `autopart profile`)")
     if partition not in PARTITIONS:
         raise PlanError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
     if solver not in SOLVERS:
