@@ -83,3 +83,34 @@ def test_moe_keeps_its_mlp_half_whole(tmp_path):
     half splits (15 blocks: embedding, 4 x (attention, o_proj, MoE half), norm, head)."""
     plans = {"1f1b": [2, 13], "interleaved-1f1b": [2, 3, 3, 7]}
     check_exact(run_ranks(_worker, 2, tmp_path, "mixtral", plans, False, 15), plans, TOL)
+
+
+def _planned_worker(rank: int, world_size: int, plan) -> dict:
+    config = tiny_config("llama")
+    reference = reference_run(config)
+    model = build_hf_model(config)
+    aliases = {b: a for a, b in tied_parameters(model, discover_blocks(model))}
+    return {"ref_loss": reference.loss, "ref_keys": sorted(reference.state),
+            "planned": exact_step(config, plan, reference, aliases, False)}
+
+
+@pytest.mark.timeout(240)
+def test_a_cut_named_after_the_attention_half_trains_exactly(tmp_path):
+    """``--cuts model.layers.2.self_attn`` on a default cpu profile: the cut after the
+    attention half's output projection, named by the module whose call ends there (the
+    profile's block there is ``model.layers.2.self_attn.o_proj``); the plan prints that
+    shortest name and the runtime runs it exactly on 2 ranks."""
+    from autopart.profile import profile_model
+    from autopart.solve import make_plan
+
+    profile = profile_model(build_hf_model(tiny_config("llama")), backend="cpu", seq_len=8,
+                            num_warmup=1, num_repeats=2)
+    assert profile.setup.granularity == "projection"
+    plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     cuts=["model.layers.2.self_attn"])
+    assert plan.pipeline_cuts == ("model.layers.2.self_attn",)
+    assert plan.stages[0].modules[-1] == "model.layers.2.self_attn.o_proj"
+    same = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     cuts=["model.layers.2.self_attn.o_proj"])
+    assert same.stages == plan.stages
+    check_exact(run_ranks(_planned_worker, 2, tmp_path, plan), {"planned": None}, TOL)
