@@ -24,19 +24,25 @@ def parse_size(value: str | None, flag: str) -> int | str:
 
 
 def print_mesh_table(result: MeshResult, console: Console) -> None:
-    """The chosen mesh and the next four: predicted step, peak memory, why each lost."""
+    """The chosen mesh and the next four: schedule, level (the head's shards after a slash;
+    tp above 1 plans whole layers, which the plan's notes say), predicted step, peak
+    memory, why each lost."""
     shown = result.candidates[:_NUM_SHOWN]
     table = Table(title=f"mesh: {len(result.candidates)} tried, the chosen one and the next "
                         f"{len(shown) - 1}")
-    for column in ("tp", "pp", "dp", "schedule", "step ms", "grad sync ms", "TP comm ms",
-                   "peak memory", "why it lost"):
-        table.add_column(column, justify="left" if column in ("schedule", "why it lost")
-                         else "right")
+    for column in ("tp", "pp", "dp", "schedule", "level", "step ms", "grad sync ms",
+                   "TP comm ms", "peak memory", "why it lost"):
+        table.add_column(column, justify="left" if column in ("schedule", "level",
+                                                              "why it lost") else "right")
     for cand in shown:
         plan = cand.plan
         sched = (f"{plan.schedule} v={plan.virtual_stages} m={plan.num_microbatches}"
                  if plan else "")
-        table.add_row(str(cand.tp_size), str(cand.pp_size), str(cand.dp_size), sched,
+        level = ""
+        if plan is not None:
+            level = plan.granularity + (f", head/{plan.head_shards}" if plan.head_shards
+                                        else "")
+        table.add_row(str(cand.tp_size), str(cand.pp_size), str(cand.dp_size), sched, level,
                       f"{cand.step_ms:.1f}" if cand.step_ms is not None else "",
                       f"{cand.grad_sync_ms:.1f}" if plan else "",
                       f"{cand.tp_comm_ms:.1f}" if plan else "",
