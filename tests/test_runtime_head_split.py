@@ -79,7 +79,8 @@ def test_custom_loss_fn_is_refused_with_a_split_head():
     plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
                            names=names)
     assert check_head_split(plan, chain, model, has_loss_fn=False)
-    with pytest.raises(RuntimeSetupError, match="drop loss_fn"):
+    with pytest.raises(RuntimeSetupError, match=r"cannot see whole; pass "
+                                                 r"loss_fn=autopart.CausalLMLoss\(\)"):
         check_head_split(plan, chain, model, has_loss_fn=True)
     swapped = names[:-2] + names[-2:][::-1]
     plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,

@@ -25,7 +25,7 @@ from autopart.intake.blocks import with_carries
 from autopart.intake.half_slices import collapse_parts, parse_slice
 from autopart.intake.sources import move_outside_blocks
 from autopart.runtime.groups import Groups, resolve_groups
-from autopart.runtime.loss import HeadShardLoss, TokenMeanLoss
+from autopart.runtime.loss import CausalLMLoss, LogitsLoss, TokenLossesLoss
 from autopart.runtime.materialize import materialize_blocks
 from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
@@ -75,8 +75,14 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
             ``pkg.module:factory``).
         plan: A ``Plan``, the path of a plan JSON, or ``"auto"`` (profile and solve
             on rank 0, then broadcast).
-        loss_fn: ``loss_fn(output, target)``; required for non-HF models. HF causal
-            LMs default to the token-mean next-token loss over the whole batch.
+        loss_fn: ``autopart.CausalLMLoss()`` (the default for HF causal LMs: the
+            token mean of the next-token loss over the whole batch; ``step``'s
+            ``target`` is the labels as HF takes them, shifted inside), or a custom
+            ``loss_fn(output, target) -> scalar`` (required for other models), called
+            per microbatch on the last stage's output with that microbatch's slice of
+            ``target`` unchanged, the microbatch losses averaged. A plan that splits the
+            head by vocabulary needs the built-in loss; with a custom one ``plan="auto"``
+            keeps the head whole (it plans at ``layer`` granularity).
         device: Where this rank's blocks live (default: the current CUDA device,
             else the CPU).
         pp_group: The pipeline's process group when it is not the whole world.
@@ -107,16 +113,16 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     root = load_model(model_or_source).model
     chain = discover_blocks(root)
     check_model(chain, has_loss_fn=loss_fn is not None)
+    builtin, custom = split_loss(loss_fn, chain)
     recompute = recompute_rule(activation_checkpointing)
     dev = _resolve_device(device)
-    if loss_fn is not None:  # a split head computes its own loss: keep it whole
-        plan_options = {"granularity": "layer", **(plan_options or {})}
+    plan_options = auto_plan_options(plan_options, custom=custom is not None)
     groups, plan_obj, tp_plan = _groups_and_plan(plan, model_or_source, root, chain, pp_group,
                                                  device_mesh, dev, plan_options)
     chain = chain_for_plan(root, chain, plan_obj)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
-    split_head = check_head_split(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
+    split_head = check_head_split(plan_obj, chain, root, has_loss_fn=custom is not None)
     check_half_slices(plan_obj, chain, root)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
@@ -133,9 +139,8 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                                if isinstance(model_or_source, str) else "MODEL")
     if dev.type == "cpu" and mismatch and dist.get_rank() == 0:
         logger.warning("%s", mismatch)
-    hf = chain.family == "hf_causal_lm"
     coef = getattr(getattr(root, "config", None), "router_aux_loss_coef", None)
-    if coef and loss_fn is None and dist.get_rank() == 0:
+    if coef and builtin is not None and dist.get_rank() == 0:
         logger.warning("router auxiliary loss (router_aux_loss_coef=%s) is dropped: the "
                        "pipeline trains on the token loss only", coef)
     ties = tied_parameters(root, chain)
@@ -151,10 +156,10 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                                         autocast_dtype=autocast_dtype,
                                         split_backward=info.split_backward)
     tied = _share_across_ranks(module, plan_obj, chain, groups, ties)
-    token_loss = (HeadShardLoss() if split_head else TokenMeanLoss()) \
-        if hf and loss_fn is None else None
+    token_loss = None if builtin is None else \
+        TokenLossesLoss(builtin) if split_head else LogitsLoss(builtin)
     pipe_stages = wrap_stages(stage_modules, mine, len(plan_obj.stages), dev, groups.pp_group)
-    schedule = build_schedule(plan_obj, pipe_stages, token_loss or loss_fn,
+    schedule = build_schedule(plan_obj, pipe_stages, token_loss or custom,
                               scale_grads=token_loss is None)
     pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
                                schedule=schedule, plan=plan_obj, groups=groups, device=dev,
@@ -164,6 +169,23 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     if dist.get_rank() == 0:
         logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
     return pipelined
+
+
+def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain
+               ) -> tuple[CausalLMLoss | None, Callable[..., torch.Tensor] | None]:
+    """``(built-in loss, custom loss)``, one of them ``None``: ``loss_fn`` itself when it is a
+    ``CausalLMLoss``, the default ``CausalLMLoss()`` for an HF causal LM without one."""
+    if isinstance(loss_fn, CausalLMLoss):
+        return loss_fn, None
+    if loss_fn is None and chain.family == "hf_causal_lm":
+        return CausalLMLoss(), None
+    return None, loss_fn
+
+
+def auto_plan_options(options: dict[str, Any] | None, *, custom: bool) -> dict[str, Any]:
+    """``plan_options`` for ``plan="auto"``: with a custom loss, which cannot see a head split
+    by vocabulary, planned at ``layer`` granularity (the head whole) unless set."""
+    return {"granularity": "layer", **(options or {})} if custom else dict(options or {})
 
 
 def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.Module,

@@ -35,10 +35,12 @@ import torch.nn.functional as F
 
 from autopart.intake.hf import IGNORE_INDEX
 
-__all__ = ["HeadCarry", "head_rows", "shard_carry", "summed_loss", "token_losses"]
+__all__ = ["HeadCarry", "fold_carries", "head_rows", "shard_carry", "slice_carry", "summed_loss",
+           "token_losses"]
 
 HeadCarry = tuple[torch.Tensor, torch.Tensor]
-"""``(lse, target)``, each float32 of shape ``[batch, seq - 1]``."""
+"""``(lse, target)``, each float32 of shape ``[batch, positions]`` (``seq - 1`` when the
+loss shifts the labels, ``autopart.runtime.loss.CausalLMLoss``)."""
 
 
 class _SliceLoss(torch.autograd.Function):
@@ -109,16 +111,19 @@ def head_rows(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                rows: tuple[int, int], labels: torch.Tensor,
+                rows: tuple[int, int], aligned: torch.Tensor,
                 carry: HeadCarry | None = None) -> HeadCarry:
     """Fold the logits of rows ``[lo, hi)`` into ``carry`` (a fresh one when ``None``).
 
     Args:
-        hidden: The head's input ``[batch, seq, hidden]``.
+        hidden: The head's input ``[batch, seq, hidden]``; its first
+            ``aligned.shape[-1]`` positions are used.
         weight: The head's whole weight ``[vocab, hidden]``.
         bias: Its bias ``[vocab]`` or ``None``.
         rows: ``(lo, hi)``, the vocabulary rows of this slice.
-        labels: Token labels ``[batch, seq]`` (unshifted, -100 ignored).
+        aligned: The token each used position predicts, ``[batch, positions]``
+            (``autopart.runtime.loss.CausalLMLoss.targets``; ignored positions hold any
+            value outside the vocabulary, e.g. -100).
         carry: The values after the previous slices.
 
     Returns:
@@ -126,13 +131,37 @@ def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     lo, hi = rows
     part_bias = head_rows(bias, lo, hi) if bias is not None else None
-    logits = F.linear(hidden[..., :-1, :], head_rows(weight, lo, hi), part_bias).float()
-    targets = labels[..., 1:].to(logits.device) - lo
+    used = hidden[..., :aligned.shape[-1], :]
+    return fold_carries(carry, slice_carry(F.linear(used, head_rows(weight, lo, hi), part_bias),
+                                           rows, aligned))
+
+
+def slice_carry(logits: torch.Tensor, rows: tuple[int, int],
+                aligned: torch.Tensor) -> HeadCarry:
+    """The carry of one vocabulary slice from its logits.
+
+    Args:
+        logits: The logits of rows ``[lo, hi)``, ``[batch, positions, hi - lo]``.
+        rows: ``(lo, hi)``.
+        aligned: The token each position predicts, ``[batch, positions]``.
+
+    Returns:
+        ``(logsumexp of the slice, the target logit where the target is in the slice, else 0)``
+        per position, float32.
+    """
+    lo, hi = rows
+    logits = logits.float()
+    targets = aligned.to(logits.device) - lo
     inside = (targets >= 0) & (targets < hi - lo)
-    lse, picked = _SliceLoss.apply(logits, targets.clamp(0, hi - lo - 1), inside)
+    return _SliceLoss.apply(logits, targets.clamp(0, hi - lo - 1), inside)
+
+
+def fold_carries(carry: HeadCarry | None, part: HeadCarry) -> HeadCarry:
+    """``carry`` with the slice ``part`` folded in: log-sum-exps joined, target logits added."""
     if carry is None:
-        return lse, picked
+        return part
     run_lse, run_target = carry
+    lse, picked = part
     return torch.logaddexp(run_lse, lse), run_target + picked
 
 
@@ -142,7 +171,8 @@ def token_losses(carry: HeadCarry) -> torch.Tensor:
     return run_lse - run_target
 
 
-def summed_loss(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the per-position losses over the positions whose next label is not -100."""
-    valid = labels[..., 1:].to(losses.device) != IGNORE_INDEX
+def summed_loss(losses: torch.Tensor, aligned: torch.Tensor,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of the per-position losses over the positions whose target is not ``ignore_index``."""
+    valid = aligned.to(losses.device) != ignore_index
     return torch.where(valid, losses, torch.zeros_like(losses)).sum()

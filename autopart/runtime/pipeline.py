@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.groups import Groups, all_reduce_grads
-from autopart.runtime.loss import TokenMeanLoss, count_target_tokens
+from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import is_sharded, local_tensor
 from autopart.schema import Plan, StagePlan
@@ -77,21 +77,28 @@ class PipelinedModel:
              losses: list | None = None, **kwargs: torch.Tensor | None) -> torch.Tensor | None:
         """One forward + backward of the whole batch over ``plan.num_microbatches`` microbatches.
 
-        Call it on every rank with the same batch (``input_ids``, ``target=labels`` and
-        ``attention_mask``/``position_ids`` keywords for HF models). Gradients
+        Call it on every rank with the same batch (``input_ids``, ``target=`` and
+        ``attention_mask``/``position_ids`` keywords for HF models). ``target`` means
+        what the loss says (``autopart.runtime.loss``): with the built-in
+        ``CausalLMLoss`` (the default for HF causal LMs), the labels as HF takes them
+        (shifted inside, -100 ignored) unless it was made with ``shift_labels=False``;
+        with a custom ``loss_fn``, whatever it takes: each microbatch's slice of
+        ``target`` goes to ``loss_fn(output, target)`` unchanged. Gradients
         accumulate into ``.grad`` and are then reduced over tied and data-parallel
         ranks, so call ``optimizer.zero_grad()`` before each step (gradients accumulated
         over several ``step`` calls would be reduced more than once). Returns the batch
-        loss (HF: token mean over the whole batch, all dp replicas; otherwise the mean
-        of the microbatch losses) on ranks holding the last stage, ``None`` elsewhere.
-        ``losses`` receives the per-microbatch losses on the last stage.
+        loss (built-in loss: token mean over the whole batch, all dp replicas; custom
+        ``loss_fn``: the mean of the microbatch losses) on ranks holding the last stage,
+        ``None`` elsewhere. ``losses`` receives the per-microbatch losses on the last stage.
         """
         if (self.is_last or self._head_split) and target is None:
             raise RuntimeSetupError("step() needs target= on the ranks holding the last stage "
                                     "(every rank when the head is split); pass the labels on "
                                     "every rank")
-        if self._token_loss is not None and self.is_last:
-            self._token_loss.num_tokens = self._count_tokens(target)
+        if self._token_loss is not None and target is not None:
+            target = self._token_loss.spec.targets(target)
+            if self.is_last:
+                self._token_loss.num_tokens = self._count_tokens(target)
         args = tuple(self._to_device(t) for t in inputs) if self.is_first else ()
         kw = {k: self._to_device(v) for k, v in kwargs.items() if v is not None}
         # stages after the first run the model's own forward too: they get its inputs
@@ -143,8 +150,8 @@ class PipelinedModel:
                 local_tensor(p.grad.detach()).mul_(coef.to(p.grad.dtype))
         return total
 
-    def _count_tokens(self, target: torch.Tensor) -> torch.Tensor:
-        num = count_target_tokens(target).to(self.device)
+    def _count_tokens(self, aligned: torch.Tensor) -> torch.Tensor:
+        num = (aligned != self._token_loss.spec.ignore_index).sum().to(self.device)
         if self.groups.dp_group is not None:
             dist.all_reduce(num, group=self.groups.dp_group)
         return num.clamp(min=1)

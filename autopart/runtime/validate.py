@@ -57,7 +57,8 @@ def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
     if chain.family != "hf_causal_lm" and not has_loss_fn:
         raise RuntimeSetupError(
             f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
-            f"stage; pass loss_fn=... to auto_pipeline on every rank")
+            f"stage; pass loss_fn=... (autopart.CausalLMLoss() for a model returning logits) "
+            f"to auto_pipeline on every rank")
 
 
 def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, tp_size: int = 1,
@@ -139,7 +140,7 @@ def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
     Raises:
         RuntimeSetupError: the shards are not ``<head>.shard0ofK`` .. ``shard{K-1}ofK`` in
             order, the split block is not the model's head, the head cannot be split
-            (``head_split_refusal``), or a custom ``loss_fn`` is given.
+            (``head_split_refusal``), or a custom ``loss_fn`` (not ``CausalLMLoss``) is given.
     """
     planned = [m for stage in sorted(plan.stages, key=lambda s: s.index) for m in stage.modules]
     shards = [(m, parse_shard(m)) for m in planned if parse_shard(m) is not None]
@@ -164,9 +165,9 @@ def check_head_split(plan: Plan, chain: BlockChain, root: nn.Module, *,
         raise RuntimeSetupError(f"{where} splits the head, but {why}; plan with "
                                 f"--granularity layer")
     if has_loss_fn:
-        raise RuntimeSetupError(f"{where} splits the head, so the pipeline computes the "
-                                f"token-mean loss itself; drop loss_fn or plan with "
-                                f"--granularity layer")
+        raise RuntimeSetupError(f"{where} splits {head} by vocabulary, which a custom loss_fn "
+                                f"cannot see whole; pass loss_fn=autopart.CausalLMLoss() (or "
+                                f"none) or plan with the head whole (--granularity layer)")
     return True
 
 
