@@ -241,7 +241,8 @@ def _megatron_mesh_flags(plan: Plan) -> str:
     """Megatron's TP flags (sequence parallel, as planned) and ZeRO-1 flag."""
     flags = ""
     if plan.tp_size > 1:
-        flags += f"--tensor-model-parallel-size {plan.tp_size} --sequence-parallel "
+        flags += f"--tensor-model-parallel-size {plan.tp_size} "
+        flags += "--sequence-parallel " if plan.sequence_parallel else ""
     if plan.zero_stage == 1:
         flags += "--use-distributed-optimizer "
     return flags

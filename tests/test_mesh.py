@@ -4,6 +4,7 @@ enumeration, ZeRO-1 memory, the DP gradient sync, and one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from solve_helpers import llama_like, make_block, make_profile
@@ -16,6 +17,7 @@ from autopart.mesh_cost import (
     ring_all_gather_ms,
     ring_all_reduce_ms,
     shard_profile,
+    tp_collectives,
 )
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
@@ -25,14 +27,21 @@ from autopart.solve.mesh import mesh_sizes, plan_mesh
 from cli.main import main
 
 
-def _two_layers():
+def _two_layers(activation_bytes: int = 340 * 10**6):
+    """Two decoder layers of a 1 MB hidden state each keeping ``activation_bytes``."""
     return make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=1.0,
-                                    num_params=1000, activation_bytes=340,
+                                    num_params=1000, activation_bytes=activation_bytes,
                                     output_bytes=1_000_000) for i in range(2)])
 
 
 def test_every_block_kind_has_its_tp_collectives():
     assert set(TP_COLLECTIVES) == set(BLOCK_KINDS)
+    # the vocabulary-parallel embedding sums its lookups, the head its input gradient;
+    # under sequence parallelism half each way
+    assert tp_collectives("embedding", False) == (1, 0)
+    assert tp_collectives("head", False) == (0, 1)
+    assert tp_collectives("head", True) == tp_collectives("embedding", True) == (0.5, 0.5)
+    assert tp_collectives("decoder_layer", True) == tp_collectives("decoder_layer", False)
 
 
 def test_ring_collectives_by_hand():
@@ -44,13 +53,15 @@ def test_ring_collectives_by_hand():
 
 def test_tp2_halves_static_and_adds_two_all_reduces_each_way():
     """2 layers, tp 2, 1 GB/s, 0.01 ms: one all-reduce of 1 MB = 2 * 0.01 + 1e3 * 1e6 / 1e9
-    = 1.02 ms; a layer does two in F and two in B."""
+    = 1.02 ms; a layer does two in F and two in B. Sequence parallelism: one sequence
+    shard (500 kB) crosses a cut; the layer keeps its two halves' gathered inputs (2 MB)
+    whole and the rest of its 340 MB split: 2 + 338 / 2 = 171 MB."""
     sharded = shard_profile(_two_layers(), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01)
     block = sharded.blocks[1]
     assert block.fwd_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
     assert block.bwd_input_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
     assert block.bwd_weight_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY))
-    assert block.num_params == 500 and block.activation_bytes == 170
+    assert block.num_params == 500 and block.activation_bytes == 171 * 10**6
     assert block.output_bytes == 500_000
     setup = TrainingSetup(pp_size=1, num_microbatches=1, optimizer="sgd")
     assert list(block_arrays(sharded, setup).static_bytes) == [6000, 6000]
@@ -58,10 +69,26 @@ def test_tp2_halves_static_and_adds_two_all_reduces_each_way():
     assert sharded.model.fingerprint == _two_layers().model.fingerprint
 
 
-def test_tp_without_sequence_parallel_keeps_ten_of_34_whole():
-    sharded = shard_profile(_two_layers(), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01,
+def test_tp_without_sequence_parallel_keeps_ten_of_34_whole_and_sends_it_whole():
+    sharded = shard_profile(_two_layers(340), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01,
                             sequence_parallel=False)
     assert sharded.blocks[0].activation_bytes == 340 * 10 // 34 + 340 * 24 // 34 // 2
+    assert sharded.blocks[0].output_bytes == 1_000_000  # the replicated hidden state
+
+
+def test_the_last_stage_holds_its_vocabulary_shard_of_the_logits():
+    """A vocabulary-parallel head: the held logits are the shard's (1000 / 4 rows), and its
+    input (1 MB) is kept whole among its 9 MB of activations: 1 + 8 / 4 = 3 MB."""
+    profile = make_profile([
+        make_block("layers.0", kind="decoder_layer", output_bytes=1_000_000),
+        make_block("lm_head", kind="head", activation_bytes=9_000_000, output_bytes=4)])
+    profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model,
+                                                                     vocab_size=1000))
+    sharded = shard_profile(profile, 4, bandwidth_bytes_per_s=1e9, latency_ms=0.01)
+    assert sharded.model.vocab_size == 250 and sharded.blocks[-1].activation_bytes == 3_000_000
+    setup = TrainingSetup(pp_size=1, num_microbatches=1)
+    held = block_arrays(sharded, setup).held_output_bytes[-1]
+    assert held * 4 == block_arrays(profile, setup).held_output_bytes[-1]
 
 
 def test_zero1_shards_optimizer_state_over_dp():
@@ -158,7 +185,7 @@ def test_a_shard_profile_gives_params_and_without_sp_the_times():
     sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part)
     assert sp.blocks[0].fwd_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
     assert sp.blocks[0].num_params == 400
-    assert sp.blocks[0].activation_bytes == 170  # sequence parallel: whole / tp
+    assert sp.blocks[0].activation_bytes == 171 * 10**6  # sequence parallel: scaled
     no_sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part,
                           sequence_parallel=False)
     assert no_sp.blocks[0].fwd_ms == pytest.approx(0.7 + 2 * 1.02)
@@ -197,16 +224,19 @@ def test_zero1_sync_is_a_reduce_scatter_of_grads_and_an_all_gather_of_params():
     assert result.plan.zero_stage == 1 and result.plan.setup.zero_stage == 1
 
 
-def test_a_tp_plan_says_how_autopart_runtime_differs_and_a_pp_plan_does_not():
-    """The planner models TP as Megatron runs it; autopart's runtime runs it otherwise,
-    and the plan says so rather than leave that gap silent."""
-    tp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=2, pp=1, dp=1,
-                    num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
-    dp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=1, pp=1, dp=2,
-                    num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
-    assert any("autopart's own runtime keeps the embedding and head whole" in note
-               for note in tp2.plan.notes)
-    assert not any("autopart's own runtime" in note for note in dp2.plan.notes)
+def test_a_tp_plan_records_sequence_parallelism_and_no_runtime_caveat():
+    """The planner prices TP as autopart's runtime runs it: the plan records whether the
+    stream is sequence-parallel (the runtime does as it says) and carries no note that the
+    runtime differs."""
+    for sp in (True, False):
+        tp2 = plan_mesh(llama_like(2), devices=2, spec=_spec(), tp=2, pp=1, dp=1,
+                        num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp",
+                        sequence_parallel=sp)
+        assert tp2.plan.sequence_parallel is sp and tp2.plan.tp_size == 2
+        assert not any("runtime" in note for note in tp2.plan.notes)
+    old = json.loads(tp2.plan.to_json())
+    del old["sequence_parallel"]  # a plan written before the key: planned with it on
+    assert Plan.from_json(json.dumps(old)).sequence_parallel is True
 
 
 def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
@@ -223,4 +253,4 @@ def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
         notes[flag] = " ".join(Plan.from_json(out.read_text()).notes)
     capsys.readouterr()
     assert "as without sequence parallelism" in notes["off"]
-    assert "activations / 2" in notes["on"]
+    assert "activations / 2 but the split layers' gathered inputs" in notes["on"]

@@ -25,12 +25,17 @@ from autopart.intake.blocks import with_carries
 from autopart.intake.half_slices import collapse_parts, parse_slice
 from autopart.intake.sources import move_outside_blocks
 from autopart.runtime.groups import Groups, resolve_groups
-from autopart.runtime.loss import CausalLMLoss, LogitsLoss, TokenLossesLoss
+from autopart.runtime.loss import CausalLMLoss, LogitsLoss, TokenLossesLoss, VocabParallelLoss
 from autopart.runtime.materialize import materialize_blocks
 from autopart.runtime.pipeline import PipelinedModel, TiedWeight
 from autopart.runtime.plan_source import resolve_plan
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
-from autopart.runtime.tensor_parallel import apply_tensor_parallel, tp_plan_of
+from autopart.runtime.tensor_parallel import (
+    TensorParallel,
+    apply_tensor_parallel,
+    local_tensor,
+    tp_plan_of,
+)
 from autopart.runtime.tree import prune
 from autopart.runtime.validate import (
     check_half_slices,
@@ -150,25 +155,43 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     module = _materialize(root, chain, held, dev, dtype=dtype, param_init_fn=param_init_fn,
                           checkpoint_path=checkpoint_path, init_seed=init_seed,
                           aliases=aliases, ties=ties)
-    tp_grad_sum = apply_tensor_parallel(module, tp_plan, groups.tp_mesh) \
-        if tp_plan is not None and groups.tp_mesh is not None else []
+    sp = plan_obj.tp_size > 1 and plan_obj.sequence_parallel
     stage_modules = build_stage_modules(root, chain, mine, recompute=recompute,
                                         autocast_dtype=autocast_dtype,
-                                        split_backward=info.split_backward)
+                                        split_backward=info.split_backward,
+                                        seq_mesh=groups.tp_mesh if sp else None)
+    tp = TensorParallel()  # after the stages are built: their stand-ins copy the blocks first
+    if tp_plan is not None and groups.tp_mesh is not None:
+        blocks = {b.name: b for b in chain.blocks}
+        tp = apply_tensor_parallel(
+            module, tp_plan, groups.tp_mesh, ties=ties, gather_logits=builtin is None,
+            held=[blocks[n] for n in dict.fromkeys(m for s in held for m in s.modules)],
+            sequence_parallel=sp)
     tied = _share_across_ranks(module, plan_obj, chain, groups, ties)
-    token_loss = None if builtin is None else \
-        TokenLossesLoss(builtin) if split_head else LogitsLoss(builtin)
+    token_loss = _token_loss(builtin, split_head, tp, groups)
     pipe_stages = wrap_stages(stage_modules, mine, len(plan_obj.stages), dev, groups.pp_group)
     schedule = build_schedule(plan_obj, pipe_stages, token_loss or custom,
                               scale_grads=token_loss is None)
     pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
                                schedule=schedule, plan=plan_obj, groups=groups, device=dev,
                                token_loss=token_loss, tied=tied, aliases=aliases,
-                               pipe_stages=pipe_stages, tp_grad_sum=tp_grad_sum,
+                               pipe_stages=pipe_stages, tp_grad_sum=tp.grad_sum,
                                head_split=split_head)
     if dist.get_rank() == 0:
         logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
     return pipelined
+
+
+def _token_loss(builtin: CausalLMLoss | None, split_head: bool, tp: TensorParallel,
+                groups: Groups) -> LogitsLoss | TokenLossesLoss | VocabParallelLoss | None:
+    """The per-microbatch form of the built-in loss, by where the head's vocabulary is."""
+    if builtin is None:
+        return None
+    if split_head:
+        return TokenLossesLoss(builtin)
+    if tp.head_rows is not None:
+        return VocabParallelLoss(builtin, tp.head_rows, groups.tp_group)
+    return LogitsLoss(builtin)
 
 
 def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain
@@ -201,7 +224,8 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
         groups = resolve_groups(pp_group, device_mesh)
         return groups, resolve_plan(plan, source, chain, groups, device.type, plan_options), None
     plan_obj = resolve_plan(plan, source, chain, None, device.type, plan_options)
-    tp_plan = tp_plan_of(root, plan_obj.tp_size) if plan_obj.tp_size > 1 else None
+    tp_plan = tp_plan_of(root, plan_obj.tp_size, sequence_parallel=plan_obj.sequence_parallel) \
+        if plan_obj.tp_size > 1 else None
     groups = resolve_groups(pp_group, device_mesh, device_type=device.type,
                             sizes=(plan_obj.pp_size, plan_obj.dp_size, plan_obj.tp_size))
     return groups, plan_obj, tp_plan
@@ -311,7 +335,8 @@ def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups
                                        use_local_synchronization=True)
         param = module.get_parameter(fqn)
         with torch.no_grad():
-            dist.broadcast(param.data, src=groups.pp_global_ranks[key[0]], group=made[key])
+            dist.broadcast(local_tensor(param.data), src=groups.pp_global_ranks[key[0]],
+                           group=made[key])
         shared.append(TiedWeight(param=param, group=made[key],
                                  counts_in_norm=groups.pp_rank == key[0]))
     return shared

@@ -26,17 +26,22 @@ full-size gradient (zeros outside the rows) and add all of it, on every backward
 every microbatch. ``head_rows`` creates the dense gradient (zeros) the first time a
 step needs it, when ``.grad`` is ``None``; the weight's gradient is summed over the ranks
 holding it after the step (``autopart.runtime.pipeline``).
+
+Under tensor parallelism the head is split by vocabulary over the tp group instead, and
+the carries of the group's ranks are gathered and folded the same way
+(``gather_carries``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopart.intake.hf import IGNORE_INDEX
 
-__all__ = ["HeadCarry", "fold_carries", "head_rows", "shard_carry", "slice_carry", "summed_loss",
-           "token_losses"]
+__all__ = ["HeadCarry", "fold_carries", "gather_carries", "head_rows", "shard_carry", "slice_carry",
+           "summed_loss", "token_losses"]
 
 HeadCarry = tuple[torch.Tensor, torch.Tensor]
 """``(lse, target)``, each float32 of shape ``[batch, positions]`` (``seq - 1`` when the
@@ -163,6 +168,45 @@ def fold_carries(carry: HeadCarry | None, part: HeadCarry) -> HeadCarry:
     run_lse, run_target = carry
     lse, picked = part
     return torch.logaddexp(run_lse, lse), run_target + picked
+
+
+class _GatherCarries(torch.autograd.Function):
+    """Every rank's carry, stacked in rank order; the backward keeps this rank's own part.
+
+    Every rank folds the same gathered carries into the same loss and runs its own
+    backward from it, so the gradient of its own carry is already whole on each rank:
+    nothing is summed on the way back (as Megatron's vocabulary-parallel cross entropy)."""
+
+    @staticmethod
+    def forward(ctx, lse: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup):
+        ctx.rank = dist.get_rank(group)
+        mine = torch.stack([lse, target]).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, mine, group=group)
+        both = torch.stack(parts)  # [ranks, 2, batch, positions]
+        return both[:, 0], both[:, 1]
+
+    @staticmethod
+    def backward(ctx, grad_lse: torch.Tensor, grad_target: torch.Tensor):
+        return grad_lse[ctx.rank], grad_target[ctx.rank], None
+
+
+def gather_carries(carry: HeadCarry, group: dist.ProcessGroup) -> HeadCarry:
+    """The carries of every rank of ``group`` (each holding some vocabulary rows of the head,
+    tensor parallelism) folded in rank order, as the stages of a split head fold theirs.
+
+    Args:
+        carry: This rank's carry (``slice_carry`` of its rows).
+        group: The ranks holding the other rows (the tensor-parallel group).
+
+    Returns:
+        The carry of the whole vocabulary, the same on every rank of ``group``.
+    """
+    lses, targets = _GatherCarries.apply(*carry, group)
+    folded = None
+    for lse, target in zip(lses.unbind(0), targets.unbind(0)):
+        folded = fold_carries(folded, (lse, target))
+    return folded
 
 
 def token_losses(carry: HeadCarry) -> torch.Tensor:

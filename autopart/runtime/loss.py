@@ -17,29 +17,41 @@ unpipelined model does on it. Each microbatch's summed token losses are divided 
 batch's token count, which ``PipelinedModel.step`` counts before the schedule runs, and
 torch's schedule then adds the microbatch gradients without scaling them.
 
-The runtime runs the loss in one of two forms, by where the vocabulary is:
+The runtime runs the loss in one of three forms, by where the vocabulary is:
 
 * ``LogitsLoss``: the last stage returns whole logits (cross entropy, as HF computes it);
 * ``TokenLossesLoss``: the head is split by vocabulary across stages
   (``autopart.runtime.head_shards``): the last stage returns per-position losses;
+* ``VocabParallelLoss``: tensor parallelism holds the head split by vocabulary over the
+  tp group: each tp rank's last stage returns the logits of its rows, and the loss
+  folds the tp ranks' ``(lse, target)`` carries exactly as the head split folds the
+  stages' (``autopart.runtime.head_shards.fold_carries``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopart.runtime.head_shards import summed_loss
+from autopart.runtime.head_shards import (
+    gather_carries,
+    slice_carry,
+    summed_loss,
+    token_losses,
+)
 
-__all__ = ["CausalLMLoss", "LogitsLoss", "TokenLossesLoss", "TokenMeanLoss"]
+__all__ = ["CausalLMLoss", "LogitsLoss", "TokenLossesLoss", "TokenMeanLoss",
+           "VocabParallelLoss"]
 
 
 class CausalLMLoss:
     """Next-token cross entropy of a causal LM: the token mean over the whole batch.
 
     Pass it as ``auto_pipeline(..., loss_fn=autopart.CausalLMLoss())``; it runs with the
-    head whole or split by vocabulary across stages (a plan's head split needs it: a
-    custom callable cannot see a split head's logits). Called directly,
+    head whole, split by vocabulary across stages, or split over the tensor-parallel
+    group (a plan's head split needs it: a custom callable cannot see a split head's
+    logits). Called directly,
     ``loss(logits, target)`` is the same loss on one unpipelined batch (a reference run).
 
     Args:
@@ -101,6 +113,29 @@ class TokenLossesLoss(TokenMeanLoss):
     per position (``autopart.runtime.head_shards``)."""
 
     def __call__(self, losses: torch.Tensor, aligned: torch.Tensor) -> torch.Tensor:
+        return summed_loss(losses, aligned, self.spec.ignore_index) / self.num_tokens
+
+
+class VocabParallelLoss(TokenMeanLoss):
+    """The head is split by vocabulary over the tensor-parallel group: the last stage returns
+    this tp rank's logits, of the vocabulary rows ``[lo, hi)``.
+
+    Each rank folds its rows into an ``(lse, target)`` carry (``slice_carry``), the carries
+    of the group are gathered and folded in rank order, as the stages of a split head fold
+    theirs, and every rank then holds the same per-position losses. The gather's backward
+    hands each rank the gradient of its own carry only: the loss after it is computed
+    alike on every rank, each rank running its own backward.
+    """
+
+    def __init__(self, spec: CausalLMLoss, rows: tuple[int, int],
+                 group: dist.ProcessGroup) -> None:
+        super().__init__(spec)
+        self.rows = rows
+        self.group = group
+
+    def __call__(self, logits: torch.Tensor, aligned: torch.Tensor) -> torch.Tensor:
+        carry = slice_carry(logits[..., :aligned.shape[-1], :], self.rows, aligned)
+        losses = token_losses(gather_carries(carry, self.group))
         return summed_loss(losses, aligned, self.spec.ignore_index) / self.num_tokens
 
 

@@ -24,7 +24,7 @@ from autopart.errors import RuntimeSetupError
 from autopart.runtime.groups import Groups, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
-from autopart.runtime.tensor_parallel import is_sharded, local_tensor
+from autopart.runtime.tensor_parallel import is_sharded, local_tensor, place_grads
 from autopart.schema import Plan, StagePlan
 
 __all__ = ["PipelinedModel", "TiedWeight"]
@@ -161,10 +161,11 @@ class PipelinedModel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        place_grads(params)
         if self._tp_grad_sum and self.groups.tp_group is not None:
             all_reduce_grads(self._tp_grad_sum, self.groups.tp_group)
         for shared in self._tied:
-            dist.all_reduce(shared.param.grad, group=shared.group)
+            dist.all_reduce(local_tensor(shared.param.grad), group=shared.group)
         if self.groups.dp_group is not None:
             divide = 1 if self._token_loss is not None else self.groups.dp_size
             all_reduce_grads(params, self.groups.dp_group, divide_by=divide)

@@ -273,6 +273,11 @@ class Plan(JsonFile):
     """The profile's dtype."""
     tp_size: int = 1
     """Tensor-parallel degree: devices (within one node) that shard every stage."""
+    sequence_parallel: bool = True
+    """With ``tp_size`` above 1: the residual stream between the split layers is sharded
+    along the sequence (Megatron's sequence parallelism; the norms run on the shards and
+    a pipeline cut sends one shard per tp rank), as the plan was priced
+    (``autopart.mesh_cost``). Plans written before this key planned with it on."""
     dp_size: int = 1
     """Data-parallel replicas of the whole pipeline; the mesh is tp x pp x dp devices."""
     zero_stage: int = 0

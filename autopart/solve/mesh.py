@@ -80,16 +80,6 @@ class MeshResult:
     candidates: tuple[MeshCandidate, ...]
 
 
-_RUNTIME_TP_NOTE = (
-    "tensor parallelism is planned as Megatron and NxD run it (vocabulary-parallel embedding "
-    "and head, and sequence parallelism unless --sequence-parallel off), which the nxd and "
-    "megatron exports set up; autopart's own runtime keeps the embedding and head whole and "
-    "has no sequence parallelism, so under auto_pipeline those blocks need more memory and "
-    "time than this plan says")
-"""Said on every plan with tp > 1, so the gap between the model and autopart's runtime is
-never silent."""
-
-
 def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
                dp: int | str = "auto", num_blocks: int,
                global_batch_size: int | None = None,
@@ -201,7 +191,8 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
                 bandwidth_bytes_per_s=spec.intra_node.bandwidth_bytes_per_s,
                 latency_ms=spec.intra_node.latency_ms)
         return _plan_one(profile, shards[t], spec, mesh, zero_stage, global_batch_size,
-                         num_microbatches, {**plan_kwargs, "refine_evals": refine_evals})
+                         num_microbatches, {**plan_kwargs, "refine_evals": refine_evals},
+                         sequence_parallel)
 
     # Scan every mesh without the local search, then refine the best few: the local
     # search simulates hundreds of splits, too many for every mesh of a large cluster.
@@ -244,7 +235,7 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
 
 def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
               zero_stage: int, global_batch_size: int | None, num_microbatches: int | None,
-              plan_kwargs: dict[str, Any]) -> MeshCandidate:
+              plan_kwargs: dict[str, Any], sequence_parallel: bool = True) -> MeshCandidate:
     """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync."""
     tp, pp, dp = mesh
     intra, inter = spec.intra_node, spec.inter_node
@@ -264,13 +255,15 @@ def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[
         return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
                              needed_bytes=exc.needed_bytes)
     sync = _grad_sync_ms(plan, dp, dp_link.bandwidth_bytes_per_s, dp_link.latency_ms)
-    comm = tp_comm_ms_per_block(profile, tp, intra.bandwidth_bytes_per_s, intra.latency_ms)
+    comm = tp_comm_ms_per_block(profile, tp, intra.bandwidth_bytes_per_s, intra.latency_ms,
+                                sequence_parallel)
     per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
                     for i in range(s.first_block_idx, s.last_block_idx + 1))
                 for r in range(pp)]
-    notes = plan.notes + (sharded.model.notes[-1], _RUNTIME_TP_NOTE) if tp > 1 else plan.notes
+    notes = plan.notes + (sharded.model.notes[-1],) if tp > 1 else plan.notes
     plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
-                               grad_sync_ms=sync, notes=notes)
+                               grad_sync_ms=sync, notes=notes,
+                               sequence_parallel=sequence_parallel or tp == 1)
     return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
                          step_ms=plan.predicted_step_ms + sync, grad_sync_ms=sync,
                          tp_comm_ms=max(per_rank) * plan.num_microbatches,
