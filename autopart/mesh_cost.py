@@ -39,6 +39,12 @@ Models") on ``tp`` devices of one node, as autopart's runtime runs it
   reduce-scatter in the backward). The loss's gather of two floats per position and
   rank, and the once-per-step sum of the norms' gradients, are not counted. They are
   not overlapped with compute (Megatron's default).
+
+Data parallelism sharded by FSDP (``autopart.runtime.fsdp``): the memory is in
+``autopart.cost.static_bytes_per_param``; gathering parameters per microbatch puts an
+all-gather before every F and B (``gather_per_microbatch``); the once-per-step gather
+and the gradient reduce-scatter are placed against the pipeline by
+``autopart.solve.mesh``.
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ import dataclasses
 
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["TP_COLLECTIVES", "TP_EFFICIENCY", "ring_all_gather_ms", "ring_all_reduce_ms",
-           "shard_profile", "tp_collectives", "tp_comm_ms_per_block"]
+__all__ = ["TP_COLLECTIVES", "TP_EFFICIENCY", "gather_per_microbatch", "ring_all_gather_ms",
+           "ring_all_reduce_ms", "shard_profile", "tp_collectives", "tp_comm_ms_per_block"]
 
 TP_EFFICIENCY = 0.9
 """Compute efficiency of a TP shard relative to the whole block (stated assumption)."""
@@ -206,6 +212,47 @@ def _activation_share(profile: Profile, idx: int, tp: int, sequence_parallel: bo
         return 1 / tp
     kept = min(whole, block.activation_bytes)
     return (kept + (block.activation_bytes - kept) / tp) / block.activation_bytes
+
+
+def gather_per_microbatch(profile: Profile, dp: int, param_bytes: int,
+                          bandwidth_bytes_per_s: float, latency_ms: float) -> Profile:
+    """FSDP gathering each block's parameters per microbatch: the profile with the exposed
+    all-gathers in its block times.
+
+    Every F and every B of a block all-gathers its parameters (``param_bytes`` each) over
+    the ``dp`` replicas first. The next block's gather is prefetched while a block
+    computes (torch's ``UNSHARD`` ahead of the compute; FSDP's backward prefetch), so
+    only what the previous block's compute does not hide is exposed: in the forward the
+    block before, in the backward the block after.
+
+    Args:
+        profile: The (TP-sharded) profile.
+        dp: Data-parallel replicas.
+        param_bytes: Bytes of a gathered parameter (the parameter dtype).
+        bandwidth_bytes_per_s: The dp link's bandwidth per device.
+        latency_ms: The dp link's per-step latency.
+
+    Returns:
+        The profile with each block's ``fwd_ms`` and ``bwd_input_ms`` (and ``bwd_ms``)
+        grown by its exposed all-gather; ``profile`` itself for ``dp`` 1.
+    """
+    if dp == 1:
+        return profile
+    blocks = profile.blocks
+    out = []
+    for i, block in enumerate(blocks):
+        gather = ring_all_gather_ms(block.num_params * param_bytes, dp, bandwidth_bytes_per_s,
+                                    latency_ms)
+        before = blocks[i - 1].fwd_ms if i > 0 else 0.0
+        after = blocks[i + 1].bwd_input_ms if i + 1 < len(blocks) else 0.0
+        fwd, bwd = max(0.0, gather - before), max(0.0, gather - after)
+        out.append(dataclasses.replace(block, fwd_ms=block.fwd_ms + fwd,
+                                       bwd_input_ms=block.bwd_input_ms + bwd,
+                                       bwd_ms=block.bwd_ms + bwd))
+    note = (f"FSDP over {dp}: every block's parameters all-gathered before its F and its B, "
+            f"hidden under the neighbouring block's compute where that is longer")
+    model = dataclasses.replace(profile.model, notes=(*profile.model.notes, note))
+    return dataclasses.replace(profile, model=model, blocks=tuple(out))
 
 
 def _scaled(block: BlockProfile, tp: int, share: float, comm_fwd: float,

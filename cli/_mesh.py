@@ -10,7 +10,7 @@ from rich.table import Table
 from autopart.errors import PlanError
 from autopart.profile import load_device_spec
 from autopart.profile.tp_shard import profile_tp_shard
-from autopart.schema import Profile
+from autopart.schema import DP_SHARDS, Profile
 from autopart.solve.mesh import MeshResult
 
 from ._format import gib
@@ -34,11 +34,23 @@ def mesh_kwargs(args: argparse.Namespace, device: str | None, profile: Profile) 
     if device is None:
         raise PlanError("--devices needs the device's node size and links: pass --device "
                         "(h100, trn1, ...) or use an analytical profile")
+    zero_stage, per_microbatch = dp_shard(args.dp_shard, args.zero)
     return {"devices": args.devices, "spec": load_device_spec(device),
             "tp": parse_size(args.tp, "--tp"), "pp": parse_size(args.pp, "--pp"),
-            "dp": parse_size(args.dp, "--dp"), "zero_stage": args.zero,
+            "dp": parse_size(args.dp, "--dp"), "zero_stage": zero_stage,
+            "reshard_after_forward": per_microbatch,
             "sequence_parallel": args.sequence_parallel == "on",
             "shard_of": lambda tp: profile_tp_shard(profile, tp)}
+
+
+def dp_shard(name: str | None, zero: int | None) -> tuple[int, bool]:
+    """``(zero_stage, reshard_after_forward)`` of ``--dp-shard`` or ``--zero`` (one of them);
+    ``PlanError`` when both are given and disagree."""
+    by_zero = {0: "none", 1: "optimizer", 3: "params-per-step"}
+    if name is not None and zero is not None and by_zero[zero] != name:
+        raise PlanError(f"--zero {zero} means --dp-shard {by_zero[zero]}, not {name}; give "
+                        f"one of them")
+    return DP_SHARDS[name or by_zero[zero or 0]]
 
 
 def print_mesh_table(result: MeshResult, console: Console) -> None:
@@ -46,7 +58,7 @@ def print_mesh_table(result: MeshResult, console: Console) -> None:
     shown = result.candidates[:_NUM_SHOWN]
     table = Table(title=f"mesh: {len(result.candidates)} tried, the chosen one and the next "
                         f"{len(shown) - 1}")
-    for column in ("tp", "pp", "dp", "schedule", "step ms", "grad sync ms", "TP comm ms",
+    for column in ("tp", "pp", "dp", "schedule", "step ms", "dp traffic ms", "TP comm ms",
                    "peak memory", "why it lost"):
         table.add_column(column, justify="left" if column in ("schedule", "why it lost")
                          else "right")

@@ -20,7 +20,7 @@ from autopart.export import FORMATS, MODULE_NAMES, export_plan
 from autopart.jsonio import check_writable
 from autopart.profile import load_device_spec, parse_backend
 from autopart.schedules import SCHEDULES
-from autopart.schema import PRECISIONS, Plan, Profile, default_precision
+from autopart.schema import DP_SHARDS, PRECISIONS, Plan, Profile, default_precision
 from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, make_plan
 from autopart.solve.mesh import plan_mesh
@@ -45,8 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "profiles/devices.json)")
     p.add_argument("--tp", default="auto", help="with --devices: tensor-parallel size or auto")
     p.add_argument("--dp", default="auto", help="with --devices: data-parallel size or auto")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
-                   help="with --devices: 1 shards optimizer state across dp (ZeRO-1)")
+    p.add_argument("--dp-shard", default=None, choices=list(DP_SHARDS),
+                   help="with --devices: what the data-parallel replicas shard. none; "
+                        "optimizer: optimizer state and master weights (ZeRO-1; autopart's "
+                        "runtime keeps them whole, the exports set it up); params-per-step: "
+                        "parameters, gradients and optimizer state (FSDP2 fully_shard per "
+                        "block, parameters all-gathered and gradients reduce-scattered once "
+                        "per stage and step, as torchtitan runs it under PP); "
+                        "params-per-microbatch: the same, parameters gathered again for "
+                        "every forward and backward")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 3],
+                   help="with --devices: the same by ZeRO stage: 0 none, 1 optimizer, "
+                        "3 params-per-step")
     p.add_argument("--sequence-parallel", default="on", choices=["on", "off"],
                    help="with --devices: TP with sequence parallelism (on, as Megatron and "
                         "NxD run it: every activation split, block times scaled) or without "
@@ -134,10 +144,10 @@ def _plan_kwargs(args: argparse.Namespace, profile: Profile) -> dict:
     if args.devices is None:
         if args.pp is None:
             raise PlanError("give --pp N, or --devices N to plan the tp x pp x dp mesh")
-        if args.tp != "auto" or args.dp != "auto" or args.zero or \
-                args.sequence_parallel != "on":
-            raise PlanError("--tp, --dp, --zero and --sequence-parallel need --devices N "
-                            "(the number of devices)")
+        if args.tp != "auto" or args.dp != "auto" or args.zero is not None or \
+                args.dp_shard is not None or args.sequence_parallel != "on":
+            raise PlanError("--tp, --dp, --dp-shard, --zero and --sequence-parallel need "
+                            "--devices N (the number of devices)")
         if not args.pp.isdigit() or int(args.pp) < 1:
             raise PlanError(f"--pp must be >= 1, got {args.pp}")
     virtual = args.virtual_stages
@@ -208,9 +218,12 @@ def _print_table(plan: Plan, console: Console) -> None:
     console.print(f"predicted step: [bold]{plan.predicted_step_ms:.2f} ms[/], bubble "
                   f"{100 * plan.bubble_fraction:.1f}%  (solver: {_solver_text(plan)})")
     if plan.dp_size > 1:
-        console.print(f"  + data-parallel gradient sync past the drain {plan.grad_sync_ms:.2f} "
-                      f"ms = [bold]{plan.predicted_step_ms + plan.grad_sync_ms:.2f} ms[/] "
-                      f"per step")
+        shard = next(k for k, v in DP_SHARDS.items()
+                     if v == (plan.zero_stage, plan.reshard_after_forward))
+        total = plan.predicted_step_ms + plan.grad_sync_ms
+        console.print(f"  + data-parallel traffic not hidden by the pipeline "
+                      f"{plan.grad_sync_ms:.2f} ms = [bold]{total:.2f} ms[/] per step "
+                      f"(dp shard: {shard})")
     console.print(f"static memory: {plan.setup.precision} precision, "
                   f"{static_bytes_per_param(plan.setup):g} B per parameter "
                   f"({plan.setup.optimizer} optimizer)")

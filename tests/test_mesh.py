@@ -14,6 +14,7 @@ from autopart.errors import PlanError
 from autopart.mesh_cost import (
     TP_COLLECTIVES,
     TP_EFFICIENCY,
+    gather_per_microbatch,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     shard_profile,
@@ -22,6 +23,7 @@ from autopart.mesh_cost import (
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
 from autopart.profile.tp_shard import shard_config
+from autopart.schedules import SCHEDULES
 from autopart.schema import BLOCK_KINDS, Plan, TrainingSetup
 from autopart.solve.mesh import mesh_sizes, plan_mesh
 from cli.main import main
@@ -158,8 +160,11 @@ def test_cli_mesh_errors_are_one_line(tmp_path, capsys):
         (["--devices", "16", "--device", "h100", "--tp", "16"], "larger than a node"),
         (["--devices", "16", "--device", "h100", "--dp", "4", "--global-batch-size", "6"],
          "not divisible by --dp 4"),
-        (["--pp", "2", "--tp", "2"], "--tp, --dp, --zero and --sequence-parallel need"),
+        (["--pp", "2", "--tp", "2"], "--tp, --dp, --dp-shard, --zero and --sequence-parallel"),
         (["--pp", "2", "--sequence-parallel", "off"], "--sequence-parallel need --devices"),
+        (["--pp", "2", "--dp-shard", "params-per-step"], "need --devices"),
+        (["--devices", "2", "--device", "h100", "--zero", "1", "--dp-shard",
+          "params-per-step"], "--zero 1 means --dp-shard optimizer, not params-per-step"),
         ([], "give --pp N, or --devices N"),
     ]:
         assert main(["plan", str(path), *args]) == 2
@@ -254,3 +259,57 @@ def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
     capsys.readouterr()
     assert "as without sequence parallelism" in notes["off"]
     assert "activations / 2 but the split layers' gathered inputs" in notes["on"]
+
+
+def test_fsdp_shards_stored_state_and_holds_the_gathered_stage_during_the_step():
+    """FSDP over 4 (zero_stage 3): fp32 adam keeps (4 + 4 + 8) / 4 sharded and, during the
+    step, the gathered parameters (4) and the whole gradients (4): 12 B; bf16-mixed: the
+    fp32 master shards (4 + 4 + 8) / 4, bf16 gathered weights (2), fp32 gradients (4): 10."""
+    plain = TrainingSetup(pp_size=1, num_microbatches=1, dp_size=4, zero_stage=3)
+    assert static_bytes_per_param(plain) == 12
+    mixed = TrainingSetup(pp_size=1, num_microbatches=1, dp_size=4, zero_stage=3,
+                          param_dtype="bfloat16", master_weights=True)
+    assert static_bytes_per_param(mixed) == 10
+    per_mb = dataclasses.replace(plain, reshard_after_forward=True)
+    assert static_bytes_per_param(per_mb) == 12
+
+
+def test_fsdp_per_step_reduce_scatters_grads_and_gathers_the_first_stage():
+    """pp 1, dp 2, FSDP once per step: the gradient reduce-scatter runs past the end and
+    the only stage's all-gather before its first forward (at 0 ms) is not hidden."""
+    profile = llama_like(2)
+    result = plan_mesh(profile, devices=2, spec=_spec(), tp=1, pp=1, dp=2, num_microbatches=2,
+                       zero_stage=3, optimizer="sgd", refine_evals=0, solver="dp")
+    n = profile.model.num_params
+    want = ring_all_gather_ms(4 * n, 2, 1e9, 0.01) * 2
+    assert result.plan.grad_sync_ms == pytest.approx(want)
+    assert (result.plan.zero_stage, result.plan.reshard_after_forward) == (3, False)
+
+
+def test_gathering_per_microbatch_exposes_what_the_neighbour_does_not_hide():
+    """Two blocks of 500 parameters, fp32, dp 2, 1 GB/s: each gather is half an all-reduce
+    of 2 kB = 0.01 + 1e3 * 1e3 / 1e9 = 0.011 ms; block 0's F has nothing before it, block
+    1's F hides under block 0's (1 ms), and the reverse in the backward."""
+    profile = make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=1.0,
+                                       bwd_ms=2.0, num_params=500) for i in range(2)])
+    gathered = gather_per_microbatch(profile, 2, 4, 1e9, 0.01)
+    first, second = gathered.blocks
+    assert first.fwd_ms == pytest.approx(1.011) and second.fwd_ms == pytest.approx(1.0)
+    assert first.bwd_input_ms == profile.blocks[0].bwd_input_ms
+    assert second.bwd_input_ms == pytest.approx(profile.blocks[1].bwd_input_ms + 0.011)
+    assert gather_per_microbatch(profile, 1, 4, 1e9, 0.01) is profile
+
+
+def test_cli_dp_shard_per_microbatch_plans_fsdp_without_split_backward(tmp_path, capsys):
+    """--dp-shard params-per-microbatch: the plan records FSDP gathered per microbatch, with
+    a schedule the runtime can run that way (no zero-bubble split backward)."""
+    path = tmp_path / "p.json"
+    path.write_text(llama_like(4).to_json())
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--devices", "4", "--device", "h100", "--dp", "2",
+                 "--tp", "1", "--microbatches", "4", "--dp-shard", "params-per-microbatch",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.from_json(out.read_text())
+    assert (plan.zero_stage, plan.reshard_after_forward, plan.dp_size) == (3, True, 2)
+    assert not SCHEDULES[plan.schedule].split_backward

@@ -107,7 +107,7 @@ def _warn_plan_mismatch(plan: Plan, dp_size: int) -> None:
         logger.warning("the plan is for dp_size %d but the data-parallel group has %d "
                        "replica(s); the plan's memory and time predictions assume %d",
                        plan.dp_size, dp_size, plan.dp_size)
-    if plan.zero_stage:
+    if plan.zero_stage == 1:
         logger.warning("the plan assumes ZeRO-%d (optimizer state split over dp replicas) "
                        "but autopart's runtime keeps the whole optimizer state on every "
                        "replica: memory can exceed the plan's prediction", plan.zero_stage)

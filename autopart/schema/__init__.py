@@ -5,7 +5,9 @@ DESIGN.md are the stable minimum; the extra keys here sit beside them.
 """
 
 from autopart.schema.plan import (
+    DP_SHARDS,
     PRECISIONS,
+    ZERO_STAGES,
     BaselineResult,
     Plan,
     RankPlan,
@@ -29,6 +31,8 @@ from autopart.schema.profile import (
 )
 
 __all__ = [
+    "DP_SHARDS",
+    "ZERO_STAGES",
     "BLOCK_KINDS",
     "BaselineResult",
     "BlockProfile",

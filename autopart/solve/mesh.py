@@ -12,9 +12,15 @@ Rank order is (pp, dp, tp), tp fastest (the runtime's DeviceMesh): a dp group sp
 
 Data parallelism adds the gradient ring all-reduce of each pipeline rank's gradients
 (ZeRO-1: a reduce-scatter of the gradients and an all-gather of the updated parameters,
-each half an all-reduce of its dtype). It overlaps the pipeline drain: rank r starts
-when its own last backward ends, so only what runs past the pipeline's end adds to the
-step. Bucketed overlap with earlier backwards is not modelled (an upper bound).
+each half an all-reduce of its dtype; FSDP: the reduce-scatter of the gradients, once
+per stage and step). It overlaps the pipeline drain: rank r starts when its own last
+backward ends, so only what runs past the pipeline's end adds to the step. Bucketed
+overlap with earlier backwards is not modelled (an upper bound). FSDP gathering once
+per step gathers a rank's first stage before its first forward, hidden while the
+rank waits for its first input (the later stages are prefetched under compute);
+gathering per microbatch puts the gathers in the block times
+(``autopart.mesh_cost.gather_per_microbatch``) and plans without the split-backward
+schedules, whose weight gradients the runtime cannot compute after a reshard.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ from typing import Any
 
 from autopart.errors import InfeasibleError, PlanError
 from autopart.mesh_cost import (
+    gather_per_microbatch,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     shard_profile,
     tp_comm_ms_per_block,
 )
 from autopart.profile.devices import DeviceSpec
-from autopart.schema import DTYPE_BYTES, Plan, Profile
+from autopart.schedules import SCHEDULES
+from autopart.schema import DTYPE_BYTES, Plan, Profile, setup_fields_with_precision
 from autopart.simulate import simulate_plan
 from autopart.solve.search import make_plan
 
@@ -140,6 +148,7 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
 
 def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str = "auto",
               pp: int | str = "auto", dp: int | str = "auto", zero_stage: int = 0,
+              reshard_after_forward: bool = False,
               global_batch_size: int | None = None, num_microbatches: int | None = None,
               sequence_parallel: bool = True,
               shard_of: Callable[[int], Profile | None] | None = None,
@@ -154,7 +163,10 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
         tp: Tensor-parallel size or ``"auto"``.
         pp: Pipeline size or ``"auto"``.
         dp: Data-parallel size or ``"auto"``.
-        zero_stage: 1 shards the optimizer state across dp (ZeRO-1).
+        zero_stage: What dp shards (``TrainingSetup.zero_stage``): 1 the optimizer state
+            (ZeRO-1), 3 parameters, gradients and optimizer state (FSDP).
+        reshard_after_forward: With ``zero_stage`` 3: gather parameters per microbatch
+            instead of once per step.
         global_batch_size: Samples per step over all replicas; each replica runs
             ``global_batch_size / (dp * micro_batch_size)`` microbatches of the profile's
             micro-batch size.
@@ -190,9 +202,9 @@ def plan_mesh(profile: Profile, *, devices: int, spec: DeviceSpec, tp: int | str
                 profile, t, sequence_parallel=sequence_parallel, shard=shard,
                 bandwidth_bytes_per_s=spec.intra_node.bandwidth_bytes_per_s,
                 latency_ms=spec.intra_node.latency_ms)
-        return _plan_one(profile, shards[t], spec, mesh, zero_stage, global_batch_size,
-                         num_microbatches, {**plan_kwargs, "refine_evals": refine_evals},
-                         sequence_parallel)
+        return _plan_one(profile, shards[t], spec, mesh, (zero_stage, reshard_after_forward),
+                         global_batch_size, num_microbatches,
+                         {**plan_kwargs, "refine_evals": refine_evals}, sequence_parallel)
 
     # Scan every mesh without the local search, then refine the best few: the local
     # search simulates hundreds of splits, too many for every mesh of a large cluster.
@@ -223,8 +235,9 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
         need = [c.needed_bytes for c in found if c.needed_bytes is not None]
         more = f"; the smallest needs {min(need)} bytes per device" if need else ""
         raise InfeasibleError(f"no tp x pp x dp mesh of {devices} devices fits the memory "
-                              f"limit{more}; add devices, allow --zero 1 or lower the micro "
-                              f"batch size", needed_bytes=min(need) if need else None)
+                              f"limit{more}; add devices, shard over dp (--dp-shard "
+                              f"optimizer or params-per-step) or lower the micro batch size",
+                              needed_bytes=min(need) if need else None)
     best = fitting[0]
     ranked = [best] + [_with_reason(c, best) for c in fitting[1:]]
     refused = sorted((c for c in found if not c.fits),
@@ -234,15 +247,21 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
 
 
 def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
-              zero_stage: int, global_batch_size: int | None, num_microbatches: int | None,
-              plan_kwargs: dict[str, Any], sequence_parallel: bool = True) -> MeshCandidate:
-    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync."""
+              dp_shard: tuple[int, bool], global_batch_size: int | None,
+              num_microbatches: int | None, plan_kwargs: dict[str, Any],
+              sequence_parallel: bool = True) -> MeshCandidate:
+    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync;
+    ``dp_shard`` is ``(zero_stage, reshard_after_forward)``."""
     tp, pp, dp = mesh
+    zero_stage, per_microbatch = dp_shard if dp > 1 else (0, False)
     intra, inter = spec.intra_node, spec.inter_node
     pp_link = intra if tp * pp * dp <= spec.node_size else inter
     dp_link = intra if tp * dp <= spec.node_size else inter
     kwargs = {**plan_kwargs, "link_bandwidth_bytes_per_s": pp_link.bandwidth_bytes_per_s,
-              "link_latency_ms": pp_link.latency_ms, "dp_size": dp, "zero_stage": zero_stage}
+              "link_latency_ms": pp_link.latency_ms, "dp_size": dp, "zero_stage": zero_stage,
+              "reshard_after_forward": per_microbatch}
+    if per_microbatch:
+        sharded, kwargs = _gathered_per_microbatch(sharded, kwargs, dp, dp_link)
     if num_microbatches is not None:
         kwargs["num_microbatches"] = num_microbatches
     elif global_batch_size is not None:
@@ -262,34 +281,63 @@ def _plan_one(profile: Profile, sharded: Profile, spec: DeviceSpec, mesh: tuple[
                 for r in range(pp)]
     notes = plan.notes + (sharded.model.notes[-1],) if tp > 1 else plan.notes
     plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
-                               grad_sync_ms=sync, notes=notes,
-                               sequence_parallel=sequence_parallel or tp == 1)
+                               reshard_after_forward=per_microbatch, grad_sync_ms=sync,
+                               notes=notes, sequence_parallel=sequence_parallel or tp == 1)
     return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
                          step_ms=plan.predicted_step_ms + sync, grad_sync_ms=sync,
                          tp_comm_ms=max(per_rank) * plan.num_microbatches,
                          peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks))
 
 
+def _gathered_per_microbatch(sharded: Profile, kwargs: dict[str, Any], dp: int,
+                             link: Any) -> tuple[Profile, dict[str, Any]]:
+    """FSDP gathering per microbatch: the gathers in the block times, and the schedules
+    without split backward (the runtime refuses those, ``autopart.runtime.fsdp``)."""
+    fields = {k: kwargs[k] for k in ("precision", "param_dtype", "grad_dtype",
+                                     "optimizer_dtype", "master_weights") if k in kwargs}
+    dtype = setup_fields_with_precision(fields, sharded.setup.dtype)["param_dtype"]
+    gathered = gather_per_microbatch(sharded, dp, DTYPE_BYTES[dtype],
+                                     link.bandwidth_bytes_per_s, link.latency_ms)
+    asked = kwargs.get("schedule", "auto")
+    names = list(SCHEDULES) if asked == "auto" else [asked] if isinstance(asked, str) \
+        else list(asked)
+    kept = [n for n in names if not SCHEDULES[n].split_backward]
+    if not kept:
+        raise PlanError(f"--dp-shard params-per-microbatch cannot run schedule(s) {names} "
+                        f"(their weight gradients run apart from the backward); use "
+                        f"--dp-shard params-per-step or 1f1b / interleaved-1f1b")
+    return gathered, {**kwargs, "schedule": kept}
+
+
 def _grad_sync_ms(plan: Plan, dp: int, bandwidth: float, latency_ms: float) -> float:
-    """Gradient all-reduce time past the pipeline's end: rank r starts at its last backward."""
+    """The data-parallel traffic not hidden by the pipeline: the gradient sync past its end
+    (rank r starts at its last backward) and, gathering FSDP parameters once per step, the
+    first stage's gather each rank does not hide before its first forward."""
     if dp == 1:
         return 0.0
     result = simulate_plan(plan)
     grad_bytes = DTYPE_BYTES[plan.setup.grad_dtype]
     param_bytes = DTYPE_BYTES[plan.setup.param_dtype]
-    end = result.step_ms
+    end, late = result.step_ms, 0.0
     for rank in range(plan.pp_size):
-        last_bwd = max((e.end_ms for e in result.events
-                        if e.rank == rank and e.kind not in ("F", "SEND")), default=0.0)
+        mine = [e for e in result.events if e.rank == rank]
+        last_bwd = max((e.end_ms for e in mine if e.kind not in ("F", "SEND")), default=0.0)
         num_params = sum(s.param_count for s in plan.stages_of_rank(rank))
+        grads = ring_all_gather_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
         if plan.setup.zero_stage == 1:
             # ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters.
-            sync = (ring_all_gather_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
-                    + ring_all_gather_ms(num_params * param_bytes, dp, bandwidth, latency_ms))
+            sync = grads + ring_all_gather_ms(num_params * param_bytes, dp, bandwidth,
+                                              latency_ms)
+        elif plan.setup.zero_stage == 3:  # FSDP: reduce-scatter the gradients
+            sync = grads
+            if not plan.setup.reshard_after_forward:
+                first = plan.stages_of_rank(rank)[0].param_count * param_bytes
+                start = min((e.start_ms for e in mine if e.kind == "F"), default=0.0)
+                late = max(late, ring_all_gather_ms(first, dp, bandwidth, latency_ms) - start)
         else:
             sync = ring_all_reduce_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
         end = max(end, last_bwd + sync)
-    return end - result.step_ms
+    return end - result.step_ms + late
 
 
 def _with_reason(cand: MeshCandidate, best: MeshCandidate) -> MeshCandidate:
