@@ -40,10 +40,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -54,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 
 from autopart.errors import RuntimeSetupError
 from autopart.intake.blocks import Block
+from autopart.runtime.vocab_parallel import local_rows, split_lookup, vocab_embedding, vocab_head
 
 __all__ = ["TensorParallel", "apply_tensor_parallel", "is_sharded", "local_tensor",
            "place_grads", "tp_plan_of"]
@@ -176,9 +176,9 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: dict[str, str], mesh: Devi
     head_rows = None
     for block in held:
         if block.kind == "embedding":
-            styles.update(_vocab_embedding(module, block, sequence_parallel))
+            styles.update(vocab_embedding(module, block, sequence_parallel))
         elif block.kind == "head":
-            styles.update(_vocab_head(module, block, sequence_parallel, gather_logits))
+            styles.update(vocab_head(module, block, sequence_parallel, gather_logits))
         if sequence_parallel and block.kind not in ("embedding", "head"):
             styles.update({f: SequenceParallel() for f in
                            _sequence_parallel_modules(module, block, split | parents)})
@@ -190,7 +190,7 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: dict[str, str], mesh: Devi
     for block in held:
         embedding = module.get_submodule(block.fqns[-1]) if block.kind == "embedding" else None
         if embedding is not None and block.fqns[-1] not in styles:
-            _split_lookup(embedding, mesh, sequence_parallel)
+            split_lookup(embedding, mesh, sequence_parallel)
     for parent in sorted(parents):
         module.get_submodule(parent).register_forward_pre_hook(
             partial(_replicated_input, mesh, sequence_parallel), with_kwargs=True)
@@ -200,7 +200,7 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: dict[str, str], mesh: Devi
             param.register_hook(partial(_keep_shard, param))
     head = next((b for b in held if b.kind == "head"), None)
     if head is not None and not gather_logits:
-        head_rows = _local_rows(module.get_submodule(head.fqns[-1]).weight)
+        head_rows = local_rows(module.get_submodule(head.fqns[-1]).weight)
     return TensorParallel(grad_sum=grad_sum, head_rows=head_rows,
                           sequence_parallel=sequence_parallel)
 
@@ -208,64 +208,6 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: dict[str, str], mesh: Devi
 def tp_plan_style(fqn: str, tp_plan: dict[str, str]) -> str:
     """The style ``tp_plan`` gives the module ``fqn`` (``""`` for none)."""
     return next((s for pattern, s in tp_plan.items() if _matches(fqn, pattern)), "")
-
-
-def _vocab_embedding(module: nn.Module, block: Block, sp: bool) -> dict[str, ParallelStyle]:
-    """torch's ``RowwiseParallel`` for an embedding with its own ``forward``; the plain
-    ``nn.Embedding`` forward is split by ``_split_lookup`` instead (no style)."""
-    fqn = block.fqns[-1]
-    embedding = module.get_submodule(fqn)
-    if not isinstance(embedding, nn.Embedding):
-        raise RuntimeSetupError(f"the embedding block {block.name} is a "
-                                f"{type(embedding).__name__}, not an nn.Embedding autopart "
-                                f"can split by vocabulary; use tp_size 1")
-    if type(embedding).forward is nn.Embedding.forward:
-        return {}
-    logger.warning("%s (%s) has its own forward: split with torch's RowwiseParallel, whose "
-                   "backward computes the whole embedding gradient on every tp rank before "
-                   "keeping its rows (more memory than the plan counts)", fqn,
-                   type(embedding).__name__)
-    return {fqn: RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ if sp
-                                 else Replicate(), use_local_output=not sp)}
-
-
-def _split_lookup(embedding: nn.Embedding, mesh: DeviceMesh, sp: bool) -> None:
-    """Split a plain ``nn.Embedding`` by rows over ``mesh``, Megatron's way: each rank looks
-    up the tokens in its rows (zeros for the others), and the partial lookups are summed
-    (reduce-scattered along the sequence under sequence parallelism). The backward adds
-    into this rank's rows only, where torch's ``RowwiseParallel`` computes the whole
-    gradient on every rank first."""
-    embedding.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh,
-                                                      [Shard(0)], src_data_rank=None),
-                                    requires_grad=embedding.weight.requires_grad)
-    lo, hi = _local_rows(embedding.weight)
-    pad = embedding.padding_idx
-    local_pad = pad - lo if pad is not None and lo <= pad < hi else None
-    placement = _SEQ if sp else Replicate()
-
-    def lookup(input_ids: torch.Tensor) -> torch.Tensor:
-        outside = (input_ids < lo) | (input_ids >= hi)
-        ids = (input_ids - lo).masked_fill(outside, 0)
-        part = F.embedding(ids, embedding.weight.to_local(), local_pad, embedding.max_norm,
-                           embedding.norm_type, embedding.scale_grad_by_freq,
-                           embedding.sparse).masked_fill(outside.unsqueeze(-1), 0)
-        out = DTensor.from_local(part, mesh, [Partial()], run_check=False)
-        out = out.redistribute(placements=[placement])
-        return out if sp else out.to_local()
-
-    embedding.forward = lookup
-
-
-def _vocab_head(module: nn.Module, block: Block, sp: bool,
-                gather: bool) -> dict[str, ParallelStyle]:
-    fqn = block.fqns[-1]
-    head = module.get_submodule(fqn)
-    if not isinstance(head, nn.Linear):
-        raise RuntimeSetupError(f"the head block {block.name} is a {type(head).__name__}, "
-                                f"not an nn.Linear autopart can split by vocabulary; use "
-                                f"tp_size 1")
-    return {fqn: ColwiseParallel(input_layouts=_SEQ if sp else Replicate(),
-                                 output_layouts=Replicate() if gather else Shard(-1))}
 
 
 def _sequence_parallel_modules(module: nn.Module, block: Block, skip: set[str]) -> list[str]:
@@ -304,15 +246,6 @@ def _retie(module: nn.Module, ties: list[tuple[str, str]]) -> None:
         if first in names and later in names:
             holder, _, leaf = later.rpartition(".")
             setattr(module.get_submodule(holder), leaf, module.get_parameter(first))
-
-
-def _local_rows(weight: torch.Tensor) -> tuple[int, int]:
-    """The rows ``[lo, hi)`` of a weight split by rows that this rank holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
-                                                          weight.placements)
-    return offset[0], offset[0] + shape[0]
 
 
 def _matches(fqn: str, pattern: str) -> bool:
