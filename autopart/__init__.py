@@ -32,6 +32,7 @@ _LAZY = {
     "export_plan": "autopart.export",
     "simulate_plan": "autopart.simulate",
     "auto_pipeline": "autopart.runtime",
+    "CausalLMLoss": "autopart.runtime",
     "save_checkpoint": "autopart.runtime",
     "load_checkpoint": "autopart.runtime",
     "verify_plan": "autopart.verify",
@@ -39,10 +40,12 @@ _LAZY = {
     "calibrate_profile": "autopart.verify",
 }
 
-# The public API: profile -> plan -> export or simulate -> train -> verify -> calibrate,
-# the two data files, and the errors a caller tells apart (all are AutopartError).
+# The public API: profile -> plan -> export or simulate -> train (with the built-in loss)
+# -> verify -> calibrate, the two data files, and the errors a caller tells apart (all are
+# AutopartError).
 __all__ = [
     "AutopartError",
+    "CausalLMLoss",
     "InfeasibleError",
     "Plan",
     "Profile",

@@ -106,19 +106,30 @@ def checkpointed(kind: str) -> bool:
 
 
 def static_bytes_per_param(setup: TrainingSetup) -> float:
-    """Bytes of parameters + gradients + optimizer state (+ master copy) per parameter.
+    """Bytes of parameters + gradients + optimizer state (+ master copy) per parameter,
+    at the step's peak.
 
     Under ZeRO-1 (``setup.zero_stage == 1``) the optimizer state and the master copy
-    are split over the ``dp_size`` replicas, so the figure can be fractional.
+    are split over the ``dp_size`` replicas, so the figure can be fractional. Under FSDP
+    (``zero_stage == 3``, ``autopart.runtime.fsdp``) the stored parameters (the master
+    copy under mixed precision), their gradients and the optimizer state are split over
+    the replicas; during the step torch's pipeline schedules keep each stage's parameters
+    gathered (in the parameter dtype) and its gradients whole (accumulated in the
+    gradient dtype) until the stage's last backward reduce-scatters them, so both count
+    whole, gathered per step or per microbatch alike (a stage's parameters stay gathered
+    from its first backward on).
     """
     num_states = {"adam": 2, "sgd": 1, "none": 0}[setup.optimizer]
-    sharded = num_states * DTYPE_BYTES[setup.optimizer_dtype]
-    if setup.master_weights and setup.param_dtype != "float32":
-        sharded += 4
+    states = num_states * DTYPE_BYTES[setup.optimizer_dtype]
+    master = setup.master_weights and setup.param_dtype != "float32"
+    param, grad = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.grad_dtype]
+    if setup.zero_stage == 3 and setup.dp_size > 1:
+        stored = 4 if master else param
+        return (stored + grad + states) / setup.dp_size + param + grad
+    sharded = states + (4 if master else 0)
     if setup.zero_stage == 1 and setup.dp_size > 1:
-        return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + \
-            sharded / setup.dp_size
-    return DTYPE_BYTES[setup.param_dtype] + DTYPE_BYTES[setup.grad_dtype] + sharded
+        return param + grad + sharded / setup.dp_size
+    return param + grad + sharded
 
 
 def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:

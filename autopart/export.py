@@ -227,6 +227,7 @@ def export_plan(plan: Plan, profile: Profile, fmt: str, *, module_names: str = "
 
 def _nxd_mesh_lines(plan: Plan, args: dict[str, object]) -> list[str]:
     """NxD's ``initialize_model_parallel`` call, for plans with a tp x pp x dp mesh."""
+    _refuse_fsdp(plan, "NxD", "its ZeRO-1 (--dp-shard optimizer)")
     if plan.tp_size == 1 and plan.dp_size == 1:
         return []
     return [f"# mesh: tp={plan.tp_size} x pp={plan.pp_size} x dp={plan.dp_size} "
@@ -237,11 +238,20 @@ def _nxd_mesh_lines(plan: Plan, args: dict[str, object]) -> list[str]:
             ")"]
 
 
+def _refuse_fsdp(plan: Plan, tool: str, instead: str) -> None:
+    """One line when ``plan`` shards parameters over dp, which ``tool`` cannot run with PP."""
+    if plan.zero_stage == 3:
+        raise PlanError(f"{tool} has no FSDP under pipeline parallelism; plan with {instead} "
+                        f"or --dp-shard none for {tool}")
+
+
 def _megatron_mesh_flags(plan: Plan) -> str:
     """Megatron's TP flags (sequence parallel, as planned) and ZeRO-1 flag."""
+    _refuse_fsdp(plan, "Megatron", "its distributed optimizer (--dp-shard optimizer)")
     flags = ""
     if plan.tp_size > 1:
-        flags += f"--tensor-model-parallel-size {plan.tp_size} --sequence-parallel "
+        flags += f"--tensor-model-parallel-size {plan.tp_size} "
+        flags += "--sequence-parallel " if plan.sequence_parallel else ""
     if plan.zero_stage == 1:
         flags += "--use-distributed-optimizer "
     return flags
@@ -251,12 +261,16 @@ def _torchtitan_mesh(plan: Plan) -> dict[str, int]:
     """torchtitan's TP and DP degrees; refuses ZeRO-1, which torchtitan lacks."""
     if plan.zero_stage == 1:
         raise PlanError("torchtitan has no ZeRO-1 (its data_parallel_shard_degree is FSDP, "
-                        "which shards parameters too); plan with --zero 0 for torchtitan")
+                        "which shards parameters too); plan with --dp-shard params-per-step "
+                        "or none for torchtitan")
     if plan.tp_size == 1 and plan.dp_size == 1:
         return {}
+    fsdp = plan.zero_stage == 3
     return {"tensor_parallel_degree": plan.tp_size,
-            "data_parallel_replicate_degree": plan.dp_size,
-            "data_parallel_shard_degree": 1}
+            "data_parallel_replicate_degree": 1 if fsdp else plan.dp_size,
+            "data_parallel_shard_degree": plan.dp_size if fsdp else 1,
+            **({"fsdp_reshard_after_forward": "always" if plan.reshard_after_forward
+                else "never"} if fsdp else {})}
 
 
 def _kinds(profile: Profile) -> dict[str, str]:

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopart.errors import PlanError
+from autopart.schema import DP_SHARDS
 from autopart.solve.mesh import MeshResult
 
 from ._format import gib
@@ -23,6 +24,16 @@ def parse_size(value: str | None, flag: str) -> int | str:
     return int(value)
 
 
+def dp_shard(name: str | None, zero: int | None) -> tuple[int, bool]:
+    """``(zero_stage, reshard_after_forward)`` of ``--dp-shard`` or ``--zero`` (one of them);
+    ``PlanError`` when both are given and disagree."""
+    by_zero = {0: "none", 1: "optimizer", 3: "params-per-step"}
+    if name is not None and zero is not None and by_zero[zero] != name:
+        raise PlanError(f"--zero {zero} means --dp-shard {by_zero[zero]}, not {name}; give "
+                        f"one of them")
+    return DP_SHARDS[name or by_zero[zero or 0]]
+
+
 def print_mesh_table(result: MeshResult, console: Console) -> None:
     """The chosen mesh and the next four: schedule, level (the head's shards after a slash;
     tp above 1 plans whole layers, which the plan's notes say), predicted step, peak
@@ -30,7 +41,7 @@ def print_mesh_table(result: MeshResult, console: Console) -> None:
     shown = result.candidates[:_NUM_SHOWN]
     table = Table(title=f"mesh: {len(result.candidates)} tried, the chosen one and the next "
                         f"{len(shown) - 1}")
-    for column in ("tp", "pp", "dp", "schedule", "level", "step ms", "grad sync ms",
+    for column in ("tp", "pp", "dp", "schedule", "level", "step ms", "dp traffic ms",
                    "TP comm ms", "peak memory", "why it lost"):
         table.add_column(column, justify="left" if column in ("schedule", "level",
                                                               "why it lost") else "right")

@@ -19,14 +19,14 @@ from autopart.errors import PlanError
 from autopart.export import FORMATS, MODULE_NAMES, export_plan
 from autopart.jsonio import check_writable
 from autopart.schedules import SCHEDULES
-from autopart.schema import PRECISIONS, Plan, Profile
+from autopart.schema import DP_SHARDS, PRECISIONS, Plan, Profile
 from autopart.simulate import simulate_plan, write_trace
 from autopart.solve import PARTITIONS, SOLVERS, PlanOptions, make_plan
 from autopart.solve.mesh import plan_mesh
 from autopart.solve.options import DEVICE, GRANULARITY_CHOICES
 
 from ._format import gib, parse_bytes, summarize_modules
-from ._mesh import parse_size, print_mesh_table
+from ._mesh import dp_shard, parse_size, print_mesh_table
 from ._progress import progress_bar
 
 
@@ -44,8 +44,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "profiles/devices.json)")
     p.add_argument("--tp", default="auto", help="with --devices: tensor-parallel size or auto")
     p.add_argument("--dp", default="auto", help="with --devices: data-parallel size or auto")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
-                   help="with --devices: 1 shards optimizer state across dp (ZeRO-1)")
+    p.add_argument("--dp-shard", default=None, choices=list(DP_SHARDS),
+                   help="with --devices: what the data-parallel replicas shard. none; "
+                        "optimizer: optimizer state and master weights (ZeRO-1; autopart's "
+                        "runtime keeps them whole, the exports set it up); params-per-step: "
+                        "parameters, gradients and optimizer state (FSDP2 fully_shard per "
+                        "block, parameters all-gathered and gradients reduce-scattered once "
+                        "per stage and step, as torchtitan runs it under PP); "
+                        "params-per-microbatch: the same, parameters gathered again for "
+                        "every forward and backward")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 3],
+                   help="with --devices: the same by ZeRO stage: 0 none, 1 optimizer, "
+                        "3 params-per-step")
     p.add_argument("--sequence-parallel", default="on", choices=["on", "off"],
                    help="with --devices: TP with sequence parallelism (on, as Megatron and "
                         "NxD run it: every activation split, block times scaled) or without "
@@ -142,10 +152,10 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
     if not mesh:
         if args.pp is None:
             raise PlanError("give --pp N, or --devices N to plan the tp x pp x dp mesh")
-        if args.tp != "auto" or args.dp != "auto" or args.zero or \
-                args.sequence_parallel != "on":
-            raise PlanError("--tp, --dp, --zero and --sequence-parallel need --devices N "
-                            "(the number of devices)")
+        if args.tp != "auto" or args.dp != "auto" or args.zero is not None or \
+                args.dp_shard is not None or args.sequence_parallel != "on":
+            raise PlanError("--tp, --dp, --dp-shard, --zero and --sequence-parallel need "
+                            "--devices N (the number of devices)")
     elif args.link_bandwidth is not None or args.link_latency_ms is not None:
         raise PlanError("--link-bandwidth and --link-latency-ms apply to --pp alone; with "
                         "--devices the intra- and inter-node links come from "
@@ -154,10 +164,12 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
     if args.memory_limit is not None:
         limit = None if args.memory_limit.strip().lower() in ("none", "unlimited") else \
             parse_bytes(args.memory_limit, "--memory-limit")
+    zero_stage, per_microbatch = dp_shard(args.dp_shard, args.zero)
     return PlanOptions(
         pp_size=_size(parse_size(args.pp, "--pp")), devices=args.devices,
         tp_size=parse_size(args.tp, "--tp"), dp_size=parse_size(args.dp, "--dp"),
-        zero_stage=args.zero, sequence_parallel=args.sequence_parallel == "on",
+        zero_stage=zero_stage, reshard_after_forward=per_microbatch,
+        sequence_parallel=args.sequence_parallel == "on",
         num_microbatches=args.microbatches, global_batch_size=args.global_batch_size,
         schedule=args.schedule, virtual_stages=parse_size(args.virtual_stages,
                                                           "--virtual-stages"),

@@ -47,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to spawn (default and only allowed value: the plan's pp)")
+                   help="ranks to spawn (default and only allowed value: the plan's "
+                        "pp x dp x tp)")
     p.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
                    help="torch threads per rank (default: CPU cores / ranks)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile) if args.profile else None
-    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // plan.pp_size)
+    ranks = plan.pp_size * plan.dp_size * plan.tp_size
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
     settings = RunSettings(model=args.model, steps=args.steps, warmup=args.warmup,
                            threads_per_rank=threads, timeout_s=args.timeout)
     with progress_bar("verifying") as progress:
@@ -102,7 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
 def print_report(report: RunReport, console: Console) -> None:
     """The stage, rank and step comparison tables of ``report``."""
-    title = (f"{report.model}: pp={report.pp_size}, {report.schedule}, "
+    mesh = ""
+    if report.tp_size * report.dp_size > 1:
+        shard = {0: "", 1: ", ZeRO-1", 3: ", FSDP per " +
+                 ("microbatch" if report.reshard_after_forward else "step")}[report.zero_stage]
+        sp = ", sequence parallel" if report.tp_size > 1 and report.sequence_parallel else ""
+        mesh = f"tp={report.tp_size}{sp}, dp={report.dp_size}{shard}, "
+    title = (f"{report.model}: {mesh}pp={report.pp_size}, {report.schedule}, "
              f"m={report.num_microbatches}, {report.steps} steps on {report.device}, "
              f"{report.num_threads_per_rank} thread(s)/rank")
     stages = Table(title=title + " -- per microbatch")
@@ -123,11 +131,14 @@ def print_report(report: RunReport, console: Console) -> None:
     if all(s.measured_bwd_input_ms is None for s in report.stages):
         console.print("B = full backward (B + W): this schedule does not split them")
     ranks = Table(title="per rank, one step")
-    for col in ("rank", "mem pred", "mem meas", "mem err", "busy pred", "busy meas",
-                "idle pred", "wait meas", "cpu meas", "optimizer"):
+    meshed = report.tp_size * report.dp_size > 1
+    for col in ("rank", *(("dp", "tp", "step meas") if meshed else ()), "mem pred",
+                "mem meas", "mem err", "busy pred", "busy meas", "idle pred", "wait meas",
+                "cpu meas", "optimizer"):
         ranks.add_column(col, justify="right")
     for r in report.ranks:
-        ranks.add_row(str(r.rank), gib(r.predicted_peak_memory_bytes),
+        where = (str(r.dp_rank), str(r.tp_rank), f"{r.measured_step_ms:.1f}") if meshed else ()
+        ranks.add_row(str(r.rank), *where, gib(r.predicted_peak_memory_bytes),
                       gib(r.measured_peak_memory_bytes),
                       _err(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes),
                       f"{r.predicted_busy_ms:.1f}", f"{r.measured_busy_ms:.1f}",

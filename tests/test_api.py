@@ -24,10 +24,10 @@ def test_every_exported_name_resolves(package):
 
 
 def test_top_level_is_one_name_per_step():
-    """profile, plan, export, simulate, train (3), verify (2), calibrate; data; errors."""
+    """profile, plan, export, simulate, train (4), verify (2), calibrate; data; errors."""
     assert sorted(autopart.__all__) == sorted([
         "profile_model", "make_plan", "export_plan", "simulate_plan", "auto_pipeline",
-        "save_checkpoint", "load_checkpoint", "verify_plan", "RunSettings",
+        "CausalLMLoss", "save_checkpoint", "load_checkpoint", "verify_plan", "RunSettings",
         "calibrate_profile", "Plan", "Profile", "AutopartError", "InfeasibleError",
         "__version__"])
 

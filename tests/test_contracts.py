@@ -102,10 +102,13 @@ def test_plan_round_trip():
 def test_plans_without_a_mesh_load_as_tp1_dp1():
     """Plans written before the mesh fields existed still load, as one replica, no TP."""
     data = json.loads(_two_stage_plan().to_json())
-    for key in ("tp_size", "dp_size", "zero_stage"):
+    for key in ("tp_size", "dp_size", "zero_stage", "sequence_parallel",
+                "reshard_after_forward"):
         del data[key]
+    del data["setup"]["reshard_after_forward"]
     plan = Plan.from_json(json.dumps(data), "old.json")
     assert (plan.tp_size, plan.dp_size, plan.zero_stage) == (1, 1, 0)
+    assert plan.sequence_parallel and not plan.reshard_after_forward
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -115,7 +118,8 @@ def test_plans_without_a_mesh_load_as_tp1_dp1():
     (lambda d: d.update(num_microbatches=0), "num_microbatches must be an integer >= 1"),
     (lambda d: d.update(tp_size=0), "tp_size must be an integer >= 1"),
     (lambda d: d.update(dp_size=1.5), "dp_size"),
-    (lambda d: d.update(zero_stage=2), "zero_stage must be 0 or 1"),
+    (lambda d: d.update(zero_stage=2), r"zero_stage must be one of \(0, 1, 3\)"),
+    (lambda d: d.update(reshard_after_forward=True), "reshard_after_forward needs zero_stage 3"),
 ])
 def test_inconsistent_plan_files_are_schema_errors(edit, message):
     data = json.loads(_two_stage_plan().to_json())

@@ -230,6 +230,21 @@ def test_exports_carry_the_mesh():
     assert "--use-distributed-optimizer" in export_plan(zero, _profile(), "megatron")
     with pytest.raises(PlanError, match="torchtitan has no ZeRO-1"):
         export_plan(zero, _profile(), "torchtitan")
+    no_sp = dataclasses.replace(plan, sequence_parallel=False)
+    assert "--sequence-parallel" not in export_plan(no_sp, _profile(), "megatron")
+
+
+def test_fsdp_plans_export_to_torchtitan_and_are_refused_elsewhere():
+    """FSDP (zero_stage 3) is torchtitan's data_parallel_shard_degree, with its reshard
+    policy; Megatron and NxD run no FSDP under pipeline parallelism: one line each."""
+    plan = dataclasses.replace(_plan([4, 5]), dp_size=2, zero_stage=3,
+                               reshard_after_forward=True)
+    titan = json.loads(export_plan(plan, _profile(), "torchtitan"))["parallelism"]
+    assert (titan["data_parallel_shard_degree"], titan["data_parallel_replicate_degree"],
+            titan["fsdp_reshard_after_forward"]) == (2, 1, "always")
+    for fmt, tool in (("megatron", "Megatron"), ("nxd", "NxD")):
+        with pytest.raises(PlanError, match=f"{tool} has no FSDP under pipeline parallelism"):
+            export_plan(plan, _profile(), fmt)
 
 
 def test_exports_without_a_mesh_are_unchanged():

@@ -4,6 +4,7 @@ enumeration, ZeRO-1 memory, the DP gradient sync, and one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from solve_helpers import llama_like, make_block, make_profile
@@ -13,26 +14,36 @@ from autopart.errors import PlanError
 from autopart.mesh_cost import (
     TP_COLLECTIVES,
     TP_EFFICIENCY,
+    gather_per_microbatch,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     shard_profile,
+    tp_collectives,
 )
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
 from autopart.profile.tp_shard import shard_config
+from autopart.schedules import SCHEDULES
 from autopart.schema import BLOCK_KINDS, Plan, TrainingSetup
 from autopart.solve.mesh import mesh_sizes, plan_mesh
 from cli.main import main
 
 
-def _two_layers():
+def _two_layers(activation_bytes: int = 340 * 10**6):
+    """Two decoder layers of a 1 MB hidden state each keeping ``activation_bytes``."""
     return make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=1.0,
-                                    num_params=1000, activation_bytes=340,
+                                    num_params=1000, activation_bytes=activation_bytes,
                                     output_bytes=1_000_000) for i in range(2)])
 
 
 def test_every_block_kind_has_its_tp_collectives():
     assert set(TP_COLLECTIVES) == set(BLOCK_KINDS)
+    # the vocabulary-parallel embedding sums its lookups, the head its input gradient;
+    # under sequence parallelism half each way
+    assert tp_collectives("embedding", False) == (1, 0)
+    assert tp_collectives("head", False) == (0, 1)
+    assert tp_collectives("head", True) == tp_collectives("embedding", True) == (0.5, 0.5)
+    assert tp_collectives("decoder_layer", True) == tp_collectives("decoder_layer", False)
 
 
 def test_ring_collectives_by_hand():
@@ -44,13 +55,15 @@ def test_ring_collectives_by_hand():
 
 def test_tp2_halves_static_and_adds_two_all_reduces_each_way():
     """2 layers, tp 2, 1 GB/s, 0.01 ms: one all-reduce of 1 MB = 2 * 0.01 + 1e3 * 1e6 / 1e9
-    = 1.02 ms; a layer does two in F and two in B."""
+    = 1.02 ms; a layer does two in F and two in B. Sequence parallelism: one sequence
+    shard (500 kB) crosses a cut; the layer keeps its two halves' gathered inputs (2 MB)
+    whole and the rest of its 340 MB split: 2 + 338 / 2 = 171 MB."""
     sharded = shard_profile(_two_layers(), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01)
     block = sharded.blocks[1]
     assert block.fwd_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
     assert block.bwd_input_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
     assert block.bwd_weight_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY))
-    assert block.num_params == 500 and block.activation_bytes == 170
+    assert block.num_params == 500 and block.activation_bytes == 171 * 10**6
     assert block.output_bytes == 500_000
     setup = TrainingSetup(pp_size=1, num_microbatches=1, optimizer="sgd")
     assert list(block_arrays(sharded, setup).static_bytes) == [6000, 6000]
@@ -58,10 +71,26 @@ def test_tp2_halves_static_and_adds_two_all_reduces_each_way():
     assert sharded.model.fingerprint == _two_layers().model.fingerprint
 
 
-def test_tp_without_sequence_parallel_keeps_ten_of_34_whole():
-    sharded = shard_profile(_two_layers(), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01,
+def test_tp_without_sequence_parallel_keeps_ten_of_34_whole_and_sends_it_whole():
+    sharded = shard_profile(_two_layers(340), 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01,
                             sequence_parallel=False)
     assert sharded.blocks[0].activation_bytes == 340 * 10 // 34 + 340 * 24 // 34 // 2
+    assert sharded.blocks[0].output_bytes == 1_000_000  # the replicated hidden state
+
+
+def test_the_last_stage_holds_its_vocabulary_shard_of_the_logits():
+    """A vocabulary-parallel head: the held logits are the shard's (1000 / 4 rows), and its
+    input (1 MB) is kept whole among its 9 MB of activations: 1 + 8 / 4 = 3 MB."""
+    profile = make_profile([
+        make_block("layers.0", kind="decoder_layer", output_bytes=1_000_000),
+        make_block("lm_head", kind="head", activation_bytes=9_000_000, output_bytes=4)])
+    profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model,
+                                                                     vocab_size=1000))
+    sharded = shard_profile(profile, 4, bandwidth_bytes_per_s=1e9, latency_ms=0.01)
+    assert sharded.model.vocab_size == 250 and sharded.blocks[-1].activation_bytes == 3_000_000
+    setup = TrainingSetup(pp_size=1, num_microbatches=1)
+    held = block_arrays(sharded, setup).held_output_bytes[-1]
+    assert held * 4 == block_arrays(profile, setup).held_output_bytes[-1]
 
 
 def test_zero1_shards_optimizer_state_over_dp():
@@ -132,8 +161,11 @@ def test_cli_mesh_errors_are_one_line(tmp_path, capsys):
         (["--devices", "16", "--device", "h100", "--tp", "16"], "larger than a node"),
         (["--devices", "16", "--device", "h100", "--dp", "4", "--global-batch-size", "6"],
          "not divisible by --dp 4"),
-        (["--pp", "2", "--tp", "2"], "--tp, --dp, --zero and --sequence-parallel need"),
+        (["--pp", "2", "--tp", "2"], "--tp, --dp, --dp-shard, --zero and --sequence-parallel"),
         (["--pp", "2", "--sequence-parallel", "off"], "--sequence-parallel need --devices"),
+        (["--pp", "2", "--dp-shard", "params-per-step"], "need --devices"),
+        (["--devices", "2", "--device", "h100", "--zero", "1", "--dp-shard",
+          "params-per-step"], "--zero 1 means --dp-shard optimizer, not params-per-step"),
         ([], "give --pp N, or --devices N"),
     ]:
         assert main(["plan", str(path), *args]) == 2
@@ -159,7 +191,7 @@ def test_a_shard_profile_gives_params_and_without_sp_the_times():
     sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part)
     assert sp.blocks[0].fwd_ms == pytest.approx(1.0 / (2 * TP_EFFICIENCY) + 2 * 1.02)
     assert sp.blocks[0].num_params == 400
-    assert sp.blocks[0].activation_bytes == 170  # sequence parallel: whole / tp
+    assert sp.blocks[0].activation_bytes == 171 * 10**6  # sequence parallel: scaled
     no_sp = shard_profile(whole, 2, bandwidth_bytes_per_s=1e9, latency_ms=0.01, shard=part,
                           sequence_parallel=False)
     assert no_sp.blocks[0].fwd_ms == pytest.approx(0.7 + 2 * 1.02)
@@ -199,16 +231,20 @@ def test_zero1_sync_is_a_reduce_scatter_of_grads_and_an_all_gather_of_params():
     assert result.plan.zero_stage == 1 and result.plan.setup.zero_stage == 1
 
 
-def test_a_tp_plan_says_how_autopart_runtime_differs_and_a_pp_plan_does_not():
-    """The planner models TP as Megatron runs it; autopart's runtime runs it otherwise,
-    and the plan says so rather than leave that gap silent."""
-    tp2 = plan_mesh(llama_like(2), devices=2, device=_spec(), tp_size=2, pp_size=1, dp_size=1,
-                    num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
-    dp2 = plan_mesh(llama_like(2), devices=2, device=_spec(), tp_size=1, pp_size=1, dp_size=2,
-                    num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp")
-    assert any("autopart's own runtime keeps the embedding and head whole" in note
-               for note in tp2.plan.notes)
-    assert not any("autopart's own runtime" in note for note in dp2.plan.notes)
+def test_a_tp_plan_records_sequence_parallelism_and_no_runtime_caveat():
+    """The planner prices TP as autopart's runtime runs it: the plan records whether the
+    stream is sequence-parallel (the runtime does as it says) and carries no note that the
+    runtime differs."""
+    for sp in (True, False):
+        tp2 = plan_mesh(llama_like(2), devices=2, device=_spec(), tp_size=2, pp_size=1,
+                        dp_size=1,
+                        num_microbatches=2, optimizer="sgd", refine_evals=0, solver="dp",
+                        sequence_parallel=sp)
+        assert tp2.plan.sequence_parallel is sp and tp2.plan.tp_size == 2
+        assert not any("runtime" in note for note in tp2.plan.notes)
+    old = json.loads(tp2.plan.to_json())
+    del old["sequence_parallel"]  # a plan written before the key: planned with it on
+    assert Plan.from_json(json.dumps(old)).sequence_parallel is True
 
 
 def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
@@ -225,8 +261,62 @@ def test_cli_sequence_parallel_off_plans_tp_without_it(tmp_path, capsys):
         notes[flag] = " ".join(Plan.from_json(out.read_text()).notes)
     capsys.readouterr()
     assert "as without sequence parallelism" in notes["off"]
-    assert "activations / 2" in notes["on"]
+    assert "activations / 2 but the split layers' gathered inputs" in notes["on"]
 
+
+def test_fsdp_shards_stored_state_and_holds_the_gathered_stage_during_the_step():
+    """FSDP over 4 (zero_stage 3): fp32 adam keeps (4 + 4 + 8) / 4 sharded and, during the
+    step, the gathered parameters (4) and the whole gradients (4): 12 B; bf16-mixed: the
+    fp32 master shards (4 + 4 + 8) / 4, bf16 gathered weights (2), fp32 gradients (4): 10."""
+    plain = TrainingSetup(pp_size=1, num_microbatches=1, dp_size=4, zero_stage=3)
+    assert static_bytes_per_param(plain) == 12
+    mixed = TrainingSetup(pp_size=1, num_microbatches=1, dp_size=4, zero_stage=3,
+                          param_dtype="bfloat16", master_weights=True)
+    assert static_bytes_per_param(mixed) == 10
+    per_mb = dataclasses.replace(plain, reshard_after_forward=True)
+    assert static_bytes_per_param(per_mb) == 12
+
+
+def test_fsdp_per_step_reduce_scatters_grads_and_gathers_the_first_stage():
+    """pp 1, dp 2, FSDP once per step: the gradient reduce-scatter runs past the end and
+    the only stage's all-gather before its first forward (at 0 ms) is not hidden."""
+    profile = llama_like(2)
+    result = plan_mesh(profile, devices=2, device=_spec(), tp_size=1, pp_size=1, dp_size=2,
+                       num_microbatches=2,
+                       zero_stage=3, optimizer="sgd", refine_evals=0, solver="dp")
+    n = profile.model.num_params
+    want = ring_all_gather_ms(4 * n, 2, 1e9, 0.01) * 2
+    assert result.plan.grad_sync_ms == pytest.approx(want)
+    assert (result.plan.zero_stage, result.plan.reshard_after_forward) == (3, False)
+
+
+def test_gathering_per_microbatch_exposes_what_the_neighbour_does_not_hide():
+    """Two blocks of 500 parameters, fp32, dp 2, 1 GB/s: each gather is half an all-reduce
+    of 2 kB = 0.01 + 1e3 * 1e3 / 1e9 = 0.011 ms; block 0's F has nothing before it, block
+    1's F hides under block 0's (1 ms), and the reverse in the backward."""
+    profile = make_profile([make_block(f"layers.{i}", kind="decoder_layer", fwd_ms=1.0,
+                                       bwd_ms=2.0, num_params=500) for i in range(2)])
+    gathered = gather_per_microbatch(profile, 2, 4, 1e9, 0.01)
+    first, second = gathered.blocks
+    assert first.fwd_ms == pytest.approx(1.011) and second.fwd_ms == pytest.approx(1.0)
+    assert first.bwd_input_ms == profile.blocks[0].bwd_input_ms
+    assert second.bwd_input_ms == pytest.approx(profile.blocks[1].bwd_input_ms + 0.011)
+    assert gather_per_microbatch(profile, 1, 4, 1e9, 0.01) is profile
+
+
+def test_cli_dp_shard_per_microbatch_plans_fsdp_without_split_backward(tmp_path, capsys):
+    """--dp-shard params-per-microbatch: the plan records FSDP gathered per microbatch, with
+    a schedule the runtime can run that way (no zero-bubble split backward)."""
+    path = tmp_path / "p.json"
+    path.write_text(llama_like(4).to_json())
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--devices", "4", "--device", "h100", "--dp", "2",
+                 "--tp", "1", "--microbatches", "4", "--dp-shard", "params-per-microbatch",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.from_json(out.read_text())
+    assert (plan.zero_stage, plan.reshard_after_forward, plan.dp_size) == (3, True, 2)
+    assert not SCHEDULES[plan.schedule].split_backward
 
 def test_a_tp_shard_scales_every_byte_field():
     """The weight gradients in a block's workspace shard with its weights and stay within
@@ -237,6 +327,7 @@ def test_a_tp_shard_scales_every_byte_field():
                                        held_for_weight_bytes=340) for b in base.blocks)
     sharded = shard_profile(dataclasses.replace(base, blocks=blocks), 2,
                             bandwidth_bytes_per_s=1e9, latency_ms=0.01)
-    for block in sharded.blocks:
+    for block, whole in zip(sharded.blocks, blocks):
         assert (block.transient_bytes, block.adopted_grad_bytes) == (500, 500)
-        assert block.held_for_weight_bytes == block.activation_bytes == 170
+        share = block.activation_bytes / whole.activation_bytes
+        assert block.held_for_weight_bytes == round(340 * share) < 340

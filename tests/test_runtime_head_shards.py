@@ -22,8 +22,8 @@ def _sharded(hidden, weight, bias, labels, num_shards):
     carry = None
     for i in range(num_shards):
         carry = shard_carry(hidden, weight, bias, vocab_range(i, num_shards, weight.shape[0]),
-                            labels, carry)
-    return summed_loss(token_losses(carry), labels)
+                            labels[:, 1:], carry)
+    return summed_loss(token_losses(carry), labels[:, 1:])
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
@@ -110,5 +110,5 @@ def test_each_shard_hands_the_weight_only_its_rows(set_to_none, tied):
     assert handed == [(torch.strided if tied else torch.sparse_coo, 50 * 16)] * 6
     handed.clear()
     hidden, ids = _microbatch(weight, 99, False)
-    token_losses(shard_carry(hidden, weight, None, (10, 20), ids)).sum().backward()
+    token_losses(shard_carry(hidden, weight, None, (10, 20), ids[:, 1:])).sum().backward()
     assert handed == [(torch.sparse_coo, 10 * 16)]

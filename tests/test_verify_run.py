@@ -90,18 +90,56 @@ def test_missing_plan_file(tmp_path, capsys):
 def test_nproc_must_match_plan(files, capsys):
     assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--nproc", "3"]) == 2
     err = _one_line_error(capsys)
-    assert "--nproc is 3" in err and "pp_size 2" in err
+    assert "--nproc is 3" in err and "pp 2 x dp 1 x tp 1 = 2 ranks" in err
 
 
 @pytest.mark.parametrize("mesh", [{"tp_size": 2}, {"dp_size": 2}])
-def test_mesh_plan_is_refused_up_front(files, capsys, mesh):
-    """A tp or dp plan would spawn pp_size ranks that all fail on the world size."""
+def test_mesh_plans_need_their_whole_mesh(files, capsys, mesh):
+    """A tp or dp plan runs on pp x dp x tp ranks: --nproc 2 is refused up front."""
     path = files["root"] / "mesh_plan.json"
     dataclasses.replace(Plan.load(files["plan"]), **mesh).save(path)
-    assert main(["verify", str(path), "--model", "tiny-llama"]) == 2
-    err = _one_line_error(capsys)
-    assert "pipeline-only" in err and "--pp 2" in err
-    assert f"{next(iter(mesh))} 2" in err
+    assert main(["verify", str(path), "--model", "tiny-llama", "--nproc", "2"]) == 2
+    assert "= 4 ranks; run 4 ranks" in _one_line_error(capsys)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory):
+    """tiny-llama measured on this CPU with one thread (what each of 4 ranks gets)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return profile_model("tiny-llama", backend="cpu", micro_batch_size=2, seq_len=32,
+                             num_repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mesh", [{"tp": 2, "dp": 1, "sequence_parallel": True},
+                                  {"tp": 1, "dp": 2, "zero_stage": 3}])
+def test_tp_and_fsdp_plans_run_with_every_rank_memory_within_5_percent(cpu_profile, mesh):
+    """pp 2 x tp 2 (sequence parallel) and pp 2 x dp 2 (FSDP per step) from a CPU profile:
+    every one of the 4 processes reports its step, and its measured peak memory is
+    within 5% of the plan's prediction for its pipeline rank."""
+    from autopart.profile import load_device_spec
+    from autopart.solve.mesh import plan_mesh
+    from autopart.verify import RunSettings
+
+    plan = plan_mesh(cpu_profile, devices=4, spec=load_device_spec("h100"), pp=2,
+                     num_microbatches=4, schedule="1f1b", refine_evals=0, **mesh).plan
+    report = verify_plan(plan, RunSettings(model="tiny-llama", steps=1, warmup=1,
+                                           threads_per_rank=1, timeout_s=240))
+    assert (report.tp_size, report.dp_size) == (plan.tp_size, plan.dp_size)
+    assert sorted((r.rank, r.dp_rank, r.tp_rank) for r in report.ranks) == sorted(
+        (p, d, t) for p in range(2) for d in range(plan.dp_size) for t in range(plan.tp_size))
+    for r in report.ranks:
+        assert r.measured_step_ms > 0
+        error = abs(r.measured_peak_memory_bytes / r.predicted_peak_memory_bytes - 1)
+        assert error < 0.05, (r.rank, r.dp_rank, r.tp_rank, error, r.memory)
 
 
 def test_plan_for_another_model(files, capsys):

@@ -143,6 +143,13 @@ class StandIn:
         self._structure = structure_key(module)
         self._cache: dict[tuple, Any] = {} if shared is None else shared
 
+    def prepare(self) -> StandIn:
+        """Make the meta copy now, from the block as it is (before tensor parallelism or
+        FSDP wrap it in place); returns ``self``."""
+        if self._meta is None:
+            self._meta = meta_copy(self._source)
+        return self
+
     def __call__(self, args: tuple, kwargs: dict, device: torch.device) -> Any:
         """The stand-in output for a call with ``args`` and ``kwargs`` on ``device``."""
         leaves = leaf_paths(args, kwargs)
@@ -188,8 +195,8 @@ def meta_copy(module: nn.Module) -> nn.Module:
     the copy: the others route tokens with data-dependent shapes, which meta cannot run.
     """
     memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+    for p in module.parameters():  # a split (DTensor) parameter by its global shape
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                    requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")

@@ -37,6 +37,13 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass that wraps one local tensor (a ``DTensor``, whose ops run under the
+    mode without it seeing them) as that tensor; others as themselves."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def tensor_bytes(t: Any) -> int:
     """Bytes of the elements of a tensor (or of all tensors in a nested structure)."""
     return sum(x.numel() * x.element_size() for x in tree_leaves(t) if isinstance(x, torch.Tensor))
@@ -81,11 +88,11 @@ class LiveTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs))
+        inputs = {storage_key(_local(t)) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t, inputs)
+                self._track(_local(t), inputs)
         return out
 
     def _track(self, t: torch.Tensor, inputs: set[int | None]) -> None:

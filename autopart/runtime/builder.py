@@ -1,10 +1,12 @@
 """``auto_pipeline``: wrap a model with a plan and return this rank's ``PipelinedModel``.
 
 Order of work: every check that can fail (world size, plan, fingerprint, loss_fn,
-tensor-parallel plan) runs before the first collective; then the groups are made
-(a ``("pp", "dp", "tp")`` mesh when the plan has dp or tp above 1), this rank's
-blocks alone are given real storage, split over the tp ranks, wrapped into stage
-modules with original FQNs, and handed to the torch schedule named by the plan.
+tensor-parallel plan, what FSDP can shard) runs before the first collective; then the
+groups are made (a ``("pp", "dp", "tp")`` mesh when the plan has dp or tp above 1), this
+rank's blocks alone are given real storage (``autopart.runtime.holding``), wrapped into
+stage modules with original FQNs, split over the tp ranks
+(``autopart.runtime.tensor_parallel``), sharded over the dp ranks when the plan says
+FSDP (``autopart.runtime.fsdp``), and handed to the torch schedule named by the plan.
 """
 
 from __future__ import annotations
@@ -19,19 +21,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import RuntimeSetupError
 from autopart.intake import BlockChain, discover_blocks, load_model
 from autopart.intake.blocks import with_carries
-from autopart.intake.sources import move_outside_blocks
+from autopart.runtime.fsdp import apply_fsdp, check_fsdp, mixed_precision
 from autopart.runtime.groups import Groups, resolve_groups
-from autopart.runtime.loss import HeadShardLoss, TokenMeanLoss
-from autopart.runtime.materialize import materialize_blocks
-from autopart.runtime.pipeline import PipelinedModel, TiedWeight
+from autopart.runtime.holding import materialize_rank, share_across_ranks, tied_parameters
+from autopart.runtime.loss import CausalLMLoss, LogitsLoss, TokenLossesLoss, VocabParallelLoss
+from autopart.runtime.pipeline import PipelinedModel
 from autopart.runtime.plan_source import resolve_plan
-from autopart.runtime.planned import base_names, chain_level, derived_parts
+from autopart.runtime.planned import base_names, chain_level
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
-from autopart.runtime.tensor_parallel import apply_tensor_parallel, tp_plan_of
-from autopart.runtime.tree import prune
+from autopart.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel, tp_plan_of
 from autopart.runtime.validate import (
     check_model,
     check_parts,
@@ -42,7 +42,7 @@ from autopart.runtime.validate import (
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["auto_pipeline"]
+__all__ = ["auto_pipeline", "tied_parameters"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,14 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
             ``pkg.module:factory``).
         plan: A ``Plan``, the path of a plan JSON, or ``"auto"`` (profile and solve
             on rank 0, then broadcast).
-        loss_fn: ``loss_fn(output, target)``; required for non-HF models. HF causal
-            LMs default to the token-mean next-token loss over the whole batch.
+        loss_fn: ``autopart.CausalLMLoss()`` (the default for HF causal LMs: the
+            token mean of the next-token loss over the whole batch; ``step``'s
+            ``target`` is the labels as HF takes them, shifted inside), or a custom
+            ``loss_fn(output, target) -> scalar`` (required for other models), called
+            per microbatch on the last stage's output with that microbatch's slice of
+            ``target`` unchanged, the microbatch losses averaged. A plan that splits the
+            head by vocabulary needs the built-in loss; with a custom one ``plan="auto"``
+            keeps the head whole (the plan does not cut it by vocabulary).
         device: Where this rank's blocks live (default: the current CUDA device,
             else the CPU).
         pp_group: The pipeline's process group when it is not the whole world.
@@ -103,67 +109,158 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
         SchemaError: The plan file is missing or malformed.
         ModelSourceError: The model cannot be loaded or its forward not pipelined.
     """
-    root = load_model(model_or_source).model
+    setup = _checked_setup(model_or_source, plan, loss_fn, pp_group, device_mesh,
+                           _resolve_device(device), activation_checkpointing, plan_options)
+    pipelined = _assemble(setup, dtype=dtype, param_init_fn=param_init_fn,
+                          checkpoint_path=checkpoint_path, init_seed=init_seed,
+                          autocast_dtype=autocast_dtype)
+    if dist.get_rank() == 0:
+        logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
+    return pipelined
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Setup:
+    """Everything ``auto_pipeline`` checked before building this rank's stages."""
+
+    source: nn.Module | str
+    root: nn.Module
+    chain: BlockChain
+    plan: Plan
+    groups: Groups
+    device: torch.device
+    tp_plan: dict[str, str] | None
+    builtin: CausalLMLoss | None
+    custom: Callable[..., torch.Tensor] | None
+    split_head: bool
+    mine: list[StagePlan]
+    """This rank's stages."""
+    recompute: Callable[[StagePlan], bool]
+    ties: list[tuple[str, str]]
+
+
+def _checked_setup(source: nn.Module | str, plan: Plan | str | Path,
+                   loss_fn: Callable[..., torch.Tensor] | None,
+                   pp_group: dist.ProcessGroup | None, device_mesh, dev: torch.device,
+                   activation_checkpointing: bool | str | None,
+                   plan_options: dict[str, Any] | None) -> _Setup:
+    """The model, plan and groups, with every check that can fail done (module docstring)."""
+    root = load_model(source).model
     chain = discover_blocks(root)
     check_model(chain, has_loss_fn=loss_fn is not None)
+    builtin, custom = split_loss(loss_fn, chain)
     recompute = recompute_rule(activation_checkpointing)
-    dev = _resolve_device(device)
-    if loss_fn is not None:  # a split head computes its own loss: keep it whole
-        plan_options = {"split_head": False, **(plan_options or {})}
-    groups, plan_obj, tp_plan = _groups_and_plan(plan, model_or_source, root, chain, pp_group,
+    plan_options = auto_plan_options(plan_options, custom=custom is not None)
+    groups, plan_obj, tp_plan = _groups_and_plan(plan, source, root, chain, pp_group,
                                                  device_mesh, dev, plan_options)
     chain = chain_for_plan(root, chain, plan_obj)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
-    parts = check_parts(plan_obj, chain, root, has_loss_fn=loss_fn is not None)
+    parts = check_parts(plan_obj, chain, root, has_loss_fn=custom is not None)
     split_head = any(d.part.axis == "vocab" for d in parts)
+    ties = tied_parameters(root, chain)
+    check_fsdp(plan_obj, ties, chain, split_head=split_head)
     info = schedule_info(plan_obj.schedule)
     mine = [plan_obj.stages[i] for i in stages_of_rank(
         groups.pp_rank, plan_obj.pp_size, plan_obj.virtual_stages, info.style)]
-    if info.split_backward and any(recompute(s) for s in plan_obj.stages) \
-            and dist.get_rank() == 0:
+    setup = _Setup(source=source, root=root, chain=chain, plan=plan_obj, groups=groups,
+                   device=dev, tp_plan=tp_plan, builtin=builtin, custom=custom,
+                   split_head=split_head, mine=mine, recompute=recompute, ties=ties)
+    _warn(setup)
+    return setup
+
+
+def _warn(setup: _Setup) -> None:
+    """One line on rank 0 for each setting that works but costs more than it looks."""
+    if dist.get_rank() != 0:
+        return
+    plan = setup.plan
+    if schedule_info(plan.schedule).split_backward and any(setup.recompute(s)
+                                                           for s in plan.stages):
         logger.warning("activation checkpointing under %s: torch computes weight gradients "
                        "(W) in separate autograd passes, each recomputing the checkpointed "
                        "layers, so recomputed stages run their forward several times per "
                        "microbatch; prefer 1f1b or interleaved-1f1b with recompute",
-                       plan_obj.schedule)
-    mismatch = thread_mismatch(plan_obj.profile_threads, torch.get_num_threads(),
-                               pp_size=plan_obj.pp_size, model=model_or_source
-                               if isinstance(model_or_source, str) else "MODEL")
-    if dev.type == "cpu" and mismatch and dist.get_rank() == 0:
+                       plan.schedule)
+    mismatch = thread_mismatch(plan.profile_threads, torch.get_num_threads(),
+                               pp_size=plan.pp_size, model=setup.source
+                               if isinstance(setup.source, str) else "MODEL")
+    if setup.device.type == "cpu" and mismatch:
         logger.warning("%s", mismatch)
-    hf = chain.family == "hf_causal_lm"
-    coef = getattr(getattr(root, "config", None), "router_aux_loss_coef", None)
-    if coef and loss_fn is None and dist.get_rank() == 0:
+    coef = getattr(getattr(setup.root, "config", None), "router_aux_loss_coef", None)
+    if coef and setup.builtin is not None:
         logger.warning("router auxiliary loss (router_aux_loss_coef=%s) is dropped: the "
                        "pipeline trains on the token loss only", coef)
-    ties = tied_parameters(root, chain)
-    aliases = {later: first for first, later in ties}
 
-    held = [dataclasses.replace(s, modules=tuple(base_names(plan_obj, chain, s.modules)))
-            for s in mine]
-    module = _materialize(root, chain, held, dev, dtype=dtype, param_init_fn=param_init_fn,
-                          checkpoint_path=checkpoint_path, init_seed=init_seed,
-                          aliases=aliases, ties=ties)
-    tp_grad_sum = apply_tensor_parallel(module, tp_plan, groups.tp_mesh) \
-        if tp_plan is not None and groups.tp_mesh is not None else []
-    stage_modules = build_stage_modules(root, chain, plan_obj, mine, recompute=recompute,
+
+def _assemble(setup: _Setup, *, autocast_dtype: torch.dtype | None, **materialize) -> \
+        PipelinedModel:
+    """This rank's blocks materialized, split over tp, wrapped into stages, sharded over dp
+    (FSDP), their shared weights synced, and the schedule."""
+    root, chain, plan, groups = setup.root, setup.chain, setup.plan, setup.groups
+    aliases = {later: first for first, later in setup.ties}
+    held = [dataclasses.replace(s, modules=tuple(base_names(plan, chain, s.modules)))
+            for s in setup.mine]
+    module = materialize_rank(root, chain, held, setup.device, aliases=aliases,
+                              ties=setup.ties, **materialize)
+    info = schedule_info(plan.schedule)
+    sp = plan.tp_size > 1 and plan.sequence_parallel
+    stage_modules = build_stage_modules(root, chain, plan, setup.mine, recompute=setup.recompute,
                                         autocast_dtype=autocast_dtype,
-                                        split_backward=info.split_backward)
-    tied = _share_across_ranks(module, plan_obj, chain, groups, ties)
-    token_loss = (HeadShardLoss() if split_head else TokenMeanLoss()) \
-        if hf and loss_fn is None else None
-    pipe_stages = wrap_stages(stage_modules, mine, len(plan_obj.stages), dev, groups.pp_group)
-    schedule = build_schedule(plan_obj, pipe_stages, token_loss or loss_fn,
+                                        split_backward=info.split_backward,
+                                        seq_mesh=groups.tp_mesh if sp else None)
+    tp = TensorParallel()  # after the stages are built: their stand-ins copy the blocks first
+    if setup.tp_plan is not None and groups.tp_mesh is not None:
+        blocks = {b.name: b for b in chain.blocks}
+        tp = apply_tensor_parallel(
+            module, setup.tp_plan, groups.tp_mesh, ties=setup.ties,
+            gather_logits=setup.builtin is None, sequence_parallel=sp,
+            held=[blocks[n] for n in dict.fromkeys(m for s in held for m in s.modules)])
+    fsdp = plan.zero_stage == 3 and groups.dp_mesh is not None
+    if fsdp:
+        apply_fsdp(stage_modules, held, chain, groups.dp_mesh,
+                   reshard_after_forward=plan.reshard_after_forward,
+                   mp_policy=mixed_precision(plan.setup), sum_replicas=setup.builtin is not None)
+    tied = share_across_ranks(module, plan, chain, groups, setup.ties)
+    token_loss = _token_loss(setup.builtin, setup.split_head, tp, groups)
+    pipe_stages = wrap_stages(stage_modules, setup.mine, len(plan.stages), setup.device,
+                              groups.pp_group)
+    schedule = build_schedule(plan, pipe_stages, token_loss or setup.custom,
                               scale_grads=token_loss is None)
-    pipelined = PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=mine,
-                               schedule=schedule, plan=plan_obj, groups=groups, device=dev,
-                               token_loss=token_loss, tied=tied, aliases=aliases,
-                               pipe_stages=pipe_stages, tp_grad_sum=tp_grad_sum,
-                               head_split=split_head)
-    if dist.get_rank() == 0:
-        logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
-    return pipelined
+    return PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=setup.mine,
+                          schedule=schedule, plan=plan, groups=groups, device=setup.device,
+                          token_loss=token_loss, tied=tied, aliases=aliases,
+                          pipe_stages=pipe_stages, tp_grad_sum=tp.grad_sum,
+                          head_split=setup.split_head, fsdp=fsdp)
+
+
+def _token_loss(builtin: CausalLMLoss | None, split_head: bool, tp: TensorParallel,
+                groups: Groups) -> LogitsLoss | TokenLossesLoss | VocabParallelLoss | None:
+    """The per-microbatch form of the built-in loss, by where the head's vocabulary is."""
+    if builtin is None:
+        return None
+    if split_head:
+        return TokenLossesLoss(builtin)
+    if tp.head_rows is not None:
+        return VocabParallelLoss(builtin, tp.head_rows, groups.tp_group)
+    return LogitsLoss(builtin)
+
+
+def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain
+               ) -> tuple[CausalLMLoss | None, Callable[..., torch.Tensor] | None]:
+    """``(built-in loss, custom loss)``, one of them ``None``: ``loss_fn`` itself when it is a
+    ``CausalLMLoss``, the default ``CausalLMLoss()`` for an HF causal LM without one."""
+    if isinstance(loss_fn, CausalLMLoss):
+        return loss_fn, None
+    if loss_fn is None and chain.family == "hf_causal_lm":
+        return CausalLMLoss(), None
+    return None, loss_fn
+
+
+def auto_plan_options(options: dict[str, Any] | None, *, custom: bool) -> dict[str, Any]:
+    """``plan_options`` for ``plan="auto"``: with a custom loss, which cannot see a head split
+    by vocabulary, planned at ``layer`` granularity (the head whole) unless set."""
+    return {"granularity": "layer", **(options or {})} if custom else dict(options or {})
 
 
 def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.Module,
@@ -179,7 +276,8 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
         groups = resolve_groups(pp_group, device_mesh)
         return groups, resolve_plan(plan, source, chain, groups, device.type, plan_options), None
     plan_obj = resolve_plan(plan, source, chain, None, device.type, plan_options)
-    tp_plan = tp_plan_of(root, plan_obj.tp_size) if plan_obj.tp_size > 1 else None
+    tp_plan = tp_plan_of(root, plan_obj.tp_size, sequence_parallel=plan_obj.sequence_parallel) \
+        if plan_obj.tp_size > 1 else None
     groups = resolve_groups(pp_group, device_mesh, device_type=device.type,
                             sizes=(plan_obj.pp_size, plan_obj.dp_size, plan_obj.tp_size))
     return groups, plan_obj, tp_plan
@@ -195,7 +293,6 @@ def chain_for_plan(root: nn.Module, chain: BlockChain, plan: Plan) -> BlockChain
     units = any(p and p[-1].axis == "units" for p in plan.parts.values())
     return with_carries(root, found) if units else found
 
-
 def _resolve_device(device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -204,90 +301,3 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def tied_parameters(root: nn.Module, chain: BlockChain) -> list[tuple[str, str]]:
-    """``(first, later)`` FQNs of parameters that two blocks share (tied embedding and head)."""
-    owner: dict[int, tuple[str, str]] = {}
-    ties: list[tuple[str, str]] = []
-    for block in chain.blocks:
-        for fqn in block.fqns:
-            for name, p in root.get_submodule(fqn).named_parameters(remove_duplicate=False):
-                full = f"{fqn}.{name}"
-                if id(p) not in owner:
-                    owner[id(p)] = (block.name, full)
-                elif owner[id(p)][0] != block.name:
-                    ties.append((owner[id(p)][1], full))
-    return ties
-
-
-def _block_of(chain: BlockChain, param_fqn: str) -> str:
-    return next(b.name for b in chain.blocks for f in b.fqns if param_fqn.startswith(f + "."))
-
-
-def _materialize(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
-                 device: torch.device, ties: list[tuple[str, str]], **kwargs) -> nn.Module:
-    """Real storage for this rank's blocks; the model's code between blocks moved to ``device``."""
-    index = {name: i for i, name in enumerate(chain.names)}
-    blocks = {b.name: b for b in chain.blocks}
-    owned = [(index[name], fqn) for stage in mine for name in stage.modules
-             for fqn in blocks[name].fqns]
-    owned = list(dict.fromkeys(owned))  # stages of one rank may share the split head
-    fqns = [fqn for _, fqn in owned]
-    module = prune(root, [*fqns, *chain.shared_modules])
-    materialize_blocks(root, owned, device=device, **kwargs)
-    move_outside_blocks(root, chain.call_fqns, device)
-    for first, later in ties:
-        if any(first.startswith(f + ".") for f in fqns) and \
-                any(later.startswith(f + ".") for f in fqns):
-            holder, _, leaf = later.rpartition(".")
-            setattr(module.get_submodule(holder), leaf, module.get_parameter(first))
-    if hasattr(root, "config"):
-        module.config = root.config
-    module.train()
-    return module
-
-
-def _share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups: Groups,
-                        ties: list[tuple[str, str]]) -> list[TiedWeight]:
-    """Weights held on several ranks, each with a group of its holders, same initial values.
-
-    A tied embedding/head weight is held by the embedding's rank and the head's; a
-    head split by vocabulary, or a half cut into slices, is held whole by every rank with
-    one of its shards or slices.
-    """
-    if len(ties) > 1:
-        raise RuntimeSetupError(f"{len(ties)} parameters are shared between blocks (e.g. "
-                                f"{ties[1][1]}); autopart keeps one shared weight in sync "
-                                f"across ranks; untie the others")
-    ranks_of: dict[str, set[int]] = {}
-    for stage in plan.stages:
-        for name in base_names(plan, chain, stage.modules):
-            ranks_of.setdefault(name, set()).add(stage.rank)
-    holders: dict[str, set[int]] = {}  # parameter FQN -> ranks holding it
-    for first, later in ties:
-        ranks = ranks_of[_block_of(chain, first)] | ranks_of[_block_of(chain, later)]
-        holders[first if groups.pp_rank in ranks_of[_block_of(chain, first)] else later] = ranks
-    head = chain.blocks[-1].name
-    tied_fqns = {f for pair in ties for f in pair}
-    for name, _ in module.named_parameters():
-        if name.startswith(head + ".") and name not in tied_fqns:
-            holders[name] = ranks_of[head]
-    blocks = {b.name: b for b in chain.blocks}
-    for half in {d.base for d in derived_parts(plan, chain) if d.part.axis == "units"}:
-        prefixes = tuple(f + "." for f in blocks[half].fqns)
-        for name, _ in module.named_parameters():
-            if name.startswith(prefixes):
-                holders[name] = ranks_of[half]
-    shared, made = [], {}
-    for fqn, ranks in sorted(holders.items()):
-        if len(ranks) < 2 or groups.pp_rank not in ranks:
-            continue
-        key = tuple(sorted(ranks))
-        if key not in made:
-            made[key] = dist.new_group([groups.pp_global_ranks[r] for r in key],
-                                       use_local_synchronization=True)
-        param = module.get_parameter(fqn)
-        with torch.no_grad():
-            dist.broadcast(param.data, src=groups.pp_global_ranks[key[0]], group=made[key])
-        shared.append(TiedWeight(param=param, group=made[key],
-                                 counts_in_norm=groups.pp_rank == key[0]))
-    return shared

@@ -43,6 +43,9 @@ class Groups:
     tp_mesh: DeviceMesh | None = None
     """The 1-D mesh of this rank's tensor-parallel group (``None`` without TP)."""
     tp_size: int = 1
+    dp_mesh: DeviceMesh | None = None
+    """The 1-D mesh of this rank's data-parallel group (FSDP shards over it; ``None``
+    without data parallelism or when only a process group was given)."""
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -112,14 +115,16 @@ def _groups_of_mesh(mesh: DeviceMesh) -> Groups:
         raise RuntimeSetupError(f"device_mesh has dimensions {names}; expected 'pp' and "
                                 f"optionally 'dp' and 'tp', e.g. ('pp', 'dp', 'tp')")
     pp_group = mesh["pp"].get_group()
-    dp_group = mesh["dp"].get_group() if "dp" in names and mesh["dp"].size() > 1 else None
+    dp_mesh = mesh["dp"] if "dp" in names and mesh["dp"].size() > 1 else None
+    dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     tp_mesh = mesh["tp"] if "tp" in names and mesh["tp"].size() > 1 else None
     ranks = tuple(dist.get_process_group_ranks(pp_group))
     return Groups(pp_group=pp_group, pp_rank=dist.get_rank(pp_group), pp_size=len(ranks),
                   pp_global_ranks=ranks, dp_group=dp_group,
                   dp_size=1 if dp_group is None else dist.get_world_size(dp_group),
                   dp_rank=0 if dp_group is None else dist.get_rank(dp_group),
-                  tp_mesh=tp_mesh, tp_size=1 if tp_mesh is None else tp_mesh.size())
+                  tp_mesh=tp_mesh, tp_size=1 if tp_mesh is None else tp_mesh.size(),
+                  dp_mesh=dp_mesh)
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup,

@@ -26,19 +26,26 @@ full-size gradient (zeros outside the rows) and add all of it, on every backward
 every microbatch. ``head_rows`` creates the dense gradient (zeros) the first time a
 step needs it, when ``.grad`` is ``None``; the weight's gradient is summed over the ranks
 holding it after the step (``autopart.runtime.pipeline``).
+
+Under tensor parallelism the head is split by vocabulary over the tp group instead, and
+the carries of the group's ranks are gathered and folded the same way
+(``gather_carries``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopart.intake.hf import IGNORE_INDEX
 
-__all__ = ["HeadCarry", "head_rows", "shard_carry", "summed_loss", "token_losses"]
+__all__ = ["HeadCarry", "fold_carries", "gather_carries", "head_rows", "shard_carry", "slice_carry",
+           "summed_loss", "token_losses"]
 
 HeadCarry = tuple[torch.Tensor, torch.Tensor]
-"""``(lse, target)``, each float32 of shape ``[batch, seq - 1]``."""
+"""``(lse, target)``, each float32 of shape ``[batch, positions]`` (``seq - 1`` when the
+loss shifts the labels, ``autopart.runtime.loss.CausalLMLoss``)."""
 
 
 class _SliceLoss(torch.autograd.Function):
@@ -109,16 +116,19 @@ def head_rows(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                rows: tuple[int, int], labels: torch.Tensor,
+                rows: tuple[int, int], aligned: torch.Tensor,
                 carry: HeadCarry | None = None) -> HeadCarry:
     """Fold the logits of rows ``[lo, hi)`` into ``carry`` (a fresh one when ``None``).
 
     Args:
-        hidden: The head's input ``[batch, seq, hidden]``.
+        hidden: The head's input ``[batch, seq, hidden]``; its first
+            ``aligned.shape[-1]`` positions are used.
         weight: The head's whole weight ``[vocab, hidden]``.
         bias: Its bias ``[vocab]`` or ``None``.
         rows: ``(lo, hi)``, the vocabulary rows of this slice.
-        labels: Token labels ``[batch, seq]`` (unshifted, -100 ignored).
+        aligned: The token each used position predicts, ``[batch, positions]``
+            (``autopart.runtime.loss.CausalLMLoss.targets``; ignored positions hold any
+            value outside the vocabulary, e.g. -100).
         carry: The values after the previous slices.
 
     Returns:
@@ -126,14 +136,77 @@ def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     lo, hi = rows
     part_bias = head_rows(bias, lo, hi) if bias is not None else None
-    logits = F.linear(hidden[..., :-1, :], head_rows(weight, lo, hi), part_bias).float()
-    targets = labels[..., 1:].to(logits.device) - lo
+    used = hidden[..., :aligned.shape[-1], :]
+    return fold_carries(carry, slice_carry(F.linear(used, head_rows(weight, lo, hi), part_bias),
+                                           rows, aligned))
+
+
+def slice_carry(logits: torch.Tensor, rows: tuple[int, int],
+                aligned: torch.Tensor) -> HeadCarry:
+    """The carry of one vocabulary slice from its logits.
+
+    Args:
+        logits: The logits of rows ``[lo, hi)``, ``[batch, positions, hi - lo]``.
+        rows: ``(lo, hi)``.
+        aligned: The token each position predicts, ``[batch, positions]``.
+
+    Returns:
+        ``(logsumexp of the slice, the target logit where the target is in the slice, else 0)``
+        per position, float32.
+    """
+    lo, hi = rows
+    logits = logits.float()
+    targets = aligned.to(logits.device) - lo
     inside = (targets >= 0) & (targets < hi - lo)
-    lse, picked = _SliceLoss.apply(logits, targets.clamp(0, hi - lo - 1), inside)
+    return _SliceLoss.apply(logits, targets.clamp(0, hi - lo - 1), inside)
+
+
+def fold_carries(carry: HeadCarry | None, part: HeadCarry) -> HeadCarry:
+    """``carry`` with the slice ``part`` folded in: log-sum-exps joined, target logits added."""
     if carry is None:
-        return lse, picked
+        return part
     run_lse, run_target = carry
+    lse, picked = part
     return torch.logaddexp(run_lse, lse), run_target + picked
+
+
+class _GatherCarries(torch.autograd.Function):
+    """Every rank's carry, stacked in rank order; the backward keeps this rank's own part.
+
+    Every rank folds the same gathered carries into the same loss and runs its own
+    backward from it, so the gradient of its own carry is already whole on each rank:
+    nothing is summed on the way back (as Megatron's vocabulary-parallel cross entropy)."""
+
+    @staticmethod
+    def forward(ctx, lse: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup):
+        ctx.rank = dist.get_rank(group)
+        mine = torch.stack([lse, target]).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, mine, group=group)
+        both = torch.stack(parts)  # [ranks, 2, batch, positions]
+        return both[:, 0], both[:, 1]
+
+    @staticmethod
+    def backward(ctx, grad_lse: torch.Tensor, grad_target: torch.Tensor):
+        return grad_lse[ctx.rank], grad_target[ctx.rank], None
+
+
+def gather_carries(carry: HeadCarry, group: dist.ProcessGroup) -> HeadCarry:
+    """The carries of every rank of ``group`` (each holding some vocabulary rows of the head,
+    tensor parallelism) folded in rank order, as the stages of a split head fold theirs.
+
+    Args:
+        carry: This rank's carry (``slice_carry`` of its rows).
+        group: The ranks holding the other rows (the tensor-parallel group).
+
+    Returns:
+        The carry of the whole vocabulary, the same on every rank of ``group``.
+    """
+    lses, targets = _GatherCarries.apply(*carry, group)
+    folded = None
+    for lse, target in zip(lses.unbind(0), targets.unbind(0)):
+        folded = fold_carries(folded, (lse, target))
+    return folded
 
 
 def token_losses(carry: HeadCarry) -> torch.Tensor:
@@ -142,7 +215,8 @@ def token_losses(carry: HeadCarry) -> torch.Tensor:
     return run_lse - run_target
 
 
-def summed_loss(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the per-position losses over the positions whose next label is not -100."""
-    valid = labels[..., 1:].to(losses.device) != IGNORE_INDEX
+def summed_loss(losses: torch.Tensor, aligned: torch.Tensor,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of the per-position losses over the positions whose target is not ``ignore_index``."""
+    valid = aligned.to(losses.device) != ignore_index
     return torch.where(valid, losses, torch.zeros_like(losses)).sum()

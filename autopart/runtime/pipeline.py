@@ -19,15 +19,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.groups import Groups, all_reduce_grads
-from autopart.runtime.loss import TokenMeanLoss, count_target_tokens
+from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
-from autopart.runtime.tensor_parallel import is_sharded, local_tensor
+from autopart.runtime.tensor_parallel import local_tensor, place_grads
 from autopart.schema import Plan, StagePlan
 
 __all__ = ["PipelinedModel", "TiedWeight"]
+
+
+def _split_groups(grad: torch.Tensor) -> tuple:
+    """The process groups of the mesh dimensions ``grad`` is split along (none: plain); FSDP
+    places a tensor-parallel shard's dp shards as ``_StridedShard``."""
+    if not isinstance(grad, DTensor):
+        return ()
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(i) for i, placement in enumerate(grad.placements)
+                 if placement.is_shard() or isinstance(placement, _StridedShard))
 
 
 @dataclass(slots=True)
@@ -49,7 +60,7 @@ class PipelinedModel:
                  tied: list[TiedWeight], aliases: dict[str, str],
                  pipe_stages: list[Any] | None = None,
                  tp_grad_sum: list[nn.Parameter] | None = None,
-                 head_split: bool = False) -> None:
+                 head_split: bool = False, fsdp: bool = False) -> None:
         self.module = module
         """This rank's blocks under their original FQNs (a pruned model tree)."""
         self.config = getattr(module, "config", None)
@@ -70,6 +81,8 @@ class PipelinedModel:
         self._head_split = head_split
         self._aliases = aliases
         self._tp_grad_sum = list(tp_grad_sum or [])
+        self._fsdp = fsdp
+        """Parameters are sharded over dp (FSDP): the schedule reduce-scatters gradients."""
 
     # --- training ------------------------------------------------------------------------------
 
@@ -77,21 +90,28 @@ class PipelinedModel:
              losses: list | None = None, **kwargs: torch.Tensor | None) -> torch.Tensor | None:
         """One forward + backward of the whole batch over ``plan.num_microbatches`` microbatches.
 
-        Call it on every rank with the same batch (``input_ids``, ``target=labels`` and
-        ``attention_mask``/``position_ids`` keywords for HF models). Gradients
+        Call it on every rank with the same batch (``input_ids``, ``target=`` and
+        ``attention_mask``/``position_ids`` keywords for HF models). ``target`` means
+        what the loss says (``autopart.runtime.loss``): with the built-in
+        ``CausalLMLoss`` (the default for HF causal LMs), the labels as HF takes them
+        (shifted inside, -100 ignored) unless it was made with ``shift_labels=False``;
+        with a custom ``loss_fn``, whatever it takes: each microbatch's slice of
+        ``target`` goes to ``loss_fn(output, target)`` unchanged. Gradients
         accumulate into ``.grad`` and are then reduced over tied and data-parallel
         ranks, so call ``optimizer.zero_grad()`` before each step (gradients accumulated
         over several ``step`` calls would be reduced more than once). Returns the batch
-        loss (HF: token mean over the whole batch, all dp replicas; otherwise the mean
-        of the microbatch losses) on ranks holding the last stage, ``None`` elsewhere.
-        ``losses`` receives the per-microbatch losses on the last stage.
+        loss (built-in loss: token mean over the whole batch, all dp replicas; custom
+        ``loss_fn``: the mean of the microbatch losses) on ranks holding the last stage,
+        ``None`` elsewhere. ``losses`` receives the per-microbatch losses on the last stage.
         """
         if (self.is_last or self._head_split) and target is None:
             raise RuntimeSetupError("step() needs target= on the ranks holding the last stage "
                                     "(every rank when the head is split); pass the labels on "
                                     "every rank")
-        if self._token_loss is not None and self.is_last:
-            self._token_loss.num_tokens = self._count_tokens(target)
+        if self._token_loss is not None and target is not None:
+            target = self._token_loss.spec.targets(target)
+            if self.is_last:
+                self._token_loss.num_tokens = self._count_tokens(target)
         args = tuple(self._to_device(t) for t in inputs) if self.is_first else ()
         kw = {k: self._to_device(v) for k, v in kwargs.items() if v is not None}
         # stages after the first run the model's own forward too: they get its inputs
@@ -118,23 +138,22 @@ class PipelinedModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so their global 2-norm is at most ``max_norm``; return the norm.
 
-        Squared norms are summed over the tensor-parallel group for sharded
-        gradients (each shard once; replicated ones are counted once per tp rank,
-        not summed), then over the pipeline group (the tied weight once); after
-        ``step`` gradients are equal across dp replicas, so the norm is global.
+        Each gradient's squared local part is summed over the mesh dimensions it is
+        split along (tensor parallelism, FSDP's dp shards; replicated dimensions count
+        it once), then over the pipeline group (a weight held on several ranks once);
+        after ``step`` gradients are equal across plain dp replicas, so the norm is global.
         """
-        squares = torch.zeros((), device=self.device, dtype=torch.float32)
-        sharded = torch.zeros((), device=self.device, dtype=torch.float32)
+        sums: dict[tuple, torch.Tensor] = {}  # the groups to sum over -> squared sum
         for p in self._norm_params():
             if p.grad is not None:
+                groups = _split_groups(p.grad)
                 part = local_tensor(p.grad.detach()).float().pow(2).sum()
-                if is_sharded(p.grad):
-                    sharded += part
-                else:
-                    squares += part
-        if self.groups.tp_group is not None:
-            dist.all_reduce(sharded, group=self.groups.tp_group)
-        squares += sharded
+                sums[groups] = sums.get(groups, torch.zeros((), device=self.device)) + part
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        for groups, part in sorted(sums.items(), key=lambda kv: len(kv[0])):
+            for group in groups:
+                dist.all_reduce(part, group=group)
+            squares += part
         dist.all_reduce(squares, group=self.groups.pp_group)
         total = squares.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -143,8 +162,8 @@ class PipelinedModel:
                 local_tensor(p.grad.detach()).mul_(coef.to(p.grad.dtype))
         return total
 
-    def _count_tokens(self, target: torch.Tensor) -> torch.Tensor:
-        num = count_target_tokens(target).to(self.device)
+    def _count_tokens(self, aligned: torch.Tensor) -> torch.Tensor:
+        num = (aligned != self._token_loss.spec.ignore_index).sum().to(self.device)
         if self.groups.dp_group is not None:
             dist.all_reduce(num, group=self.groups.dp_group)
         return num.clamp(min=1)
@@ -154,11 +173,12 @@ class PipelinedModel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        place_grads(params)
         if self._tp_grad_sum and self.groups.tp_group is not None:
             all_reduce_grads(self._tp_grad_sum, self.groups.tp_group)
         for shared in self._tied:
-            dist.all_reduce(shared.param.grad, group=shared.group)
-        if self.groups.dp_group is not None:
+            dist.all_reduce(local_tensor(shared.param.grad), group=shared.group)
+        if self.groups.dp_group is not None and not self._fsdp:
             divide = 1 if self._token_loss is not None else self.groups.dp_size
             all_reduce_grads(params, self.groups.dp_group, divide_by=divide)
 

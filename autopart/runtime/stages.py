@@ -35,14 +35,17 @@ comes from ``autopart.schedules.SCHEDULES``.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
@@ -83,8 +86,12 @@ class ForwardStage(Tree):
     def __init__(self, root: nn.Module, chain: BlockChain, bases: list[str],
                  derived: list[DerivedPart], *, recompute: bool = False,
                  autocast_dtype: torch.dtype | None = None,
-                 split_backward: bool = False) -> None:
+                 split_backward: bool = False,
+                 seq_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
+        # sequence parallelism: what crosses a cut is this tp rank's sequence shard of the
+        # stream (``autopart.runtime.tensor_parallel``), sent and received as a plain tensor
+        object.__setattr__(self, "_seq_mesh", seq_mesh)
         index = {b.name: i for i, b in enumerate(chain.blocks)}
         blocks = [chain.blocks[index[n]] for n in bases]
         shards = [d.part for d in derived if d.part.axis == "vocab"]
@@ -101,6 +108,12 @@ class ForwardStage(Tree):
         self._end_call = ends[0] if ends else blocks[-1].calls[-1] + 1
         self.is_first = self._first_call == 0
         self.is_last = self._end_call == len(self._calls)
+        # blocks of other stages (stood in for, or where the forward stops) run without their
+        # forward hooks: a tensor-parallel or FSDP block held by this rank for another stage
+        # must not convert, gather or reshard here
+        last = self._end_call if ends else self._end_call - 1  # a half it ends inside runs
+        self._outside = [root.get_submodule(c) for i, c in enumerate(self._calls)
+                         if not self._first_call <= i <= max(last, self._first_call)]
         self._in_slots = chain.call(self._first_call).stream
         self._out_slots = None if self.is_last else chain.call(self._end_call).stream
         # values crossing a cut beside the next call's stream (``quarter``: the residual),
@@ -123,6 +136,10 @@ class ForwardStage(Tree):
                            or self._carry_in)
         self._stand_ins: dict[int, StandIn] = {}
         self._shapes: dict = {}  # output shapes shared by this stage's identical stand-ins
+        for idx in range(self._first_call):  # blocks this rank holds for other stages: their
+            module = root.get_submodule(self._calls[idx])  # meta copies before TP / FSDP
+            if any(not t.is_meta for t in module.parameters()):
+                self._stand_ins[idx] = StandIn(module, self._shapes).prepare()
         # The cost model's rule (autopart.cost.checkpointed): layers only. A split half's
         # module P is checkpointed with its C inside (C then not again); when C starts the
         # next stage, P runs until C in a checkpoint of its own (``_until``).
@@ -142,7 +159,7 @@ class ForwardStage(Tree):
             inputs.append(kwargs.pop(input_kwarg(len(inputs))))
         labels = kwargs.pop(LABELS_KWARG, None)
         model_args = args if self.is_first else tuple(inputs)
-        received = None if self.is_first else args
+        received = None if self.is_first else self._from_shards(args)
         device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
         autocast = (torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
                     if self._autocast_dtype is not None and device is not None
@@ -150,6 +167,12 @@ class ForwardStage(Tree):
         if self._shards is not None and self._shards[3]:  # the stage starts inside the head
             with autocast:
                 return self._head_step(args[0], labels, tuple(args[1:3]))
+        return _local(self._forward(model_args, received, kwargs, labels, autocast, device))
+
+    def _forward(self, model_args: tuple, received: tuple | None, kwargs: dict,
+                 labels: torch.Tensor | None, autocast: Any,
+                 device: torch.device | None) -> Any:
+        """The model's own forward with this stage's blocks (module docstring)."""
         recompute = bool(self._checkpointed) and self.training and torch.is_grad_enabled()
         swaps = Substitute()
         kept: list[torch.Tensor] = [None] * len(  # type: ignore[list-item]
@@ -160,7 +183,7 @@ class ForwardStage(Tree):
             leaves = leaf_paths(a, kw)
             for n, pos in self._carry_out.get(idx, ()):
                 kept[n] = leaves[pos]
-            if received is not None:
+            if received is not None and idx != self._first_call:  # the first: ``swap_in``
                 for n, pos in self._carry_in.get(idx, ()):
                     swaps.add(leaves[pos], received[self._num_in + n])
             if idx < self._first_call:
@@ -168,10 +191,6 @@ class ForwardStage(Tree):
                     meta_a, meta_kw = tree_map_only(torch.Tensor, _on_meta, (a, kw))
                     return original(*meta_a, **meta_kw)
                 return self._stand_in(idx)(a, kw, device)
-            if idx == self._first_call and received is not None:
-                for pos, slot in enumerate(self._in_slots):
-                    if slot >= 0:
-                        swaps.add(leaves[pos], received[slot])
             a, kw = swaps.swap(a, kw)
             if self._shards is not None and module is self._shards[0]:
                 raise StageExit(self._head_step(leaf_paths(a, kw)[0], labels, None))
@@ -196,13 +215,39 @@ class ForwardStage(Tree):
                 return checkpoint(original, *a, use_reentrant=False, **kw)
             return original(*a, **kw)
 
+        def swap_in(_module: nn.Module, a: tuple, kw: dict) -> tuple[tuple, dict]:
+            """The received tensors in place of the first call's stream arguments, before
+            the block's own hooks (tensor parallelism, FSDP) see them."""
+            leaves = leaf_paths(a, kw)
+            for n, pos in self._carry_in.get(self._first_call, ()):
+                swaps.add(leaves[pos], received[self._num_in + n])
+            for pos, slot in enumerate(self._in_slots):
+                if slot >= 0:
+                    swaps.add(leaves[pos], received[slot])
+            return swaps.swap(a, kw)
+
         glue = swaps if self._reuse and received is not None else contextlib.nullcontext()
+        first = self._root.get_submodule(self._calls[self._first_call])
+        receive = first.register_forward_pre_hook(swap_in, prepend=True, with_kwargs=True) \
+            if received is not None else None
         try:
-            with autocast, intercept(self._root, self._calls, handler), glue:
+            with autocast, intercept(self._root, self._calls, handler), glue, \
+                    _hooks_suspended(self._outside):
                 output = self._root(*model_args, **self._const_kwargs, **kwargs)
         except StageExit as stop:
             return stop.value
+        finally:
+            if receive is not None:
+                receive.remove()
         return model_output_tensor(output)
+
+    def _from_shards(self, received: tuple) -> tuple:
+        """Received sequence shards as the ``DTensor`` stream (sequence parallelism)."""
+        if self._seq_mesh is None:
+            return received
+        return tuple(DTensor.from_local(t, self._seq_mesh, [Shard(1)], run_check=False)
+                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2
+                     else t for t in received)
 
     def _head_step(self, hidden: torch.Tensor, labels: torch.Tensor | None,
                    carry: HeadCarry | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -270,13 +315,33 @@ def _sendable(stream: tuple[torch.Tensor, ...], carried: tuple[torch.Tensor, ...
               ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """What a stage sends: the next call's stream, then the carried values. torch's
     zero-bubble backward detaches stage outputs in place, which a view (HF heads read
-    ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy, and so is a
+    ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy (a sequence-
+    parallel ``DTensor`` is sent as its local shard, a view too), and so is a
     received tensor sent on (a stage inside one half passes ``P``'s input and the
     residual through); with ``copy`` every value is sent as a copy."""
     passed = {id(t) for t in received or ()}
-    values = tuple(t.clone() if copy or t._is_view() or id(t) in passed else t
-                   for t in (*stream, *carried))
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in (*stream, *carried))
+    values = tuple(t.clone() if copy or t._is_view() or id(t) in passed else t for t in local)
     return values[0] if len(values) == 1 else values
+
+
+@contextlib.contextmanager
+def _hooks_suspended(modules: list[nn.Module]) -> Any:
+    """Run without the forward hooks of ``modules`` (restored on exit)."""
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in modules
+             if m._forward_pre_hooks or m._forward_hooks]
+    try:
+        for m, _, _ in saved:
+            m._forward_pre_hooks, m._forward_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
+
+
+def _local(value: Any) -> Any:
+    """The model's output as this rank's part of it (a ``DTensor`` as its local tensor)."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
@@ -286,13 +351,15 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
 def build_stage_modules(root: nn.Module, chain: BlockChain, plan: Plan,
                         stages: list[StagePlan], *, recompute: Callable[[StagePlan], bool],
                         autocast_dtype: torch.dtype | None,
-                        split_backward: bool = False) -> list[nn.Module]:
+                        split_backward: bool = False,
+                        seq_mesh: DeviceMesh | None = None) -> list[nn.Module]:
     """One stage module per stage plan (already materialized blocks of ``root``);
-    ``split_backward``: the schedule computes weight gradients apart (zero-bubble)."""
+    ``split_backward``: the schedule computes weight gradients apart (zero-bubble);
+    ``seq_mesh``: the tp mesh when the stream is sequence-parallel."""
     return [ForwardStage(root, chain, base_names(plan, chain, stage.modules),
                          derived_parts(plan, chain, [stage.index]),
                          recompute=recompute(stage), autocast_dtype=autocast_dtype,
-                         split_backward=split_backward)
+                         split_backward=split_backward, seq_mesh=seq_mesh)
             for stage in stages]
 
 

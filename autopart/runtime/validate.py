@@ -53,7 +53,8 @@ def check_model(chain: BlockChain, *, has_loss_fn: bool) -> None:
     if chain.family != "hf_causal_lm" and not has_loss_fn:
         raise RuntimeSetupError(
             f"a {chain.family} model needs loss_fn(output, target) -> scalar for its last "
-            f"stage; pass loss_fn=... to auto_pipeline on every rank")
+            f"stage; pass loss_fn=... (autopart.CausalLMLoss() for a model returning logits) "
+            f"to auto_pipeline on every rank")
 
 
 def check_plan(plan: Plan, chain: BlockChain, *, pp_size: int, tp_size: int = 1,
@@ -102,7 +103,7 @@ def _warn_plan_mismatch(plan: Plan, dp_size: int) -> None:
         logger.warning("the plan is for dp_size %d but the data-parallel group has %d "
                        "replica(s); the plan's memory and time predictions assume %d",
                        plan.dp_size, dp_size, plan.dp_size)
-    if plan.zero_stage:
+    if plan.zero_stage == 1:
         logger.warning("the plan assumes ZeRO-%d (optimizer state split over dp replicas) "
                        "but autopart's runtime keeps the whole optimizer state on every "
                        "replica: memory can exceed the plan's prediction", plan.zero_stage)
@@ -144,8 +145,8 @@ def check_parts(plan: Plan, chain: BlockChain, root: nn.Module, *, has_loss_fn: 
             the module's block cannot be cut that way here (the head of an HF causal LM
             that ``head_split_refusal`` accepts; a decoder-layer half whose module
             ``slice_rule`` splits into at least k units, with nothing made by the model's
-            code before it crossing the cut); tp above 1; or a custom ``loss_fn`` with the
-            head cut.
+            code before it crossing the cut); tp above 1; or a custom ``loss_fn`` (not
+            ``CausalLMLoss``) with the head cut.
     """
     found = derived_parts(plan, chain, where=where)
     modules: dict[str, list[DerivedPart]] = {}
@@ -178,15 +179,15 @@ def _check_vocab(chain: BlockChain, root: nn.Module, item: DerivedPart, has_loss
     if item.base != last.name or last.kind != "head" or chain.family != "hf_causal_lm":
         raise RuntimeSetupError(f"{where} splits {head} by vocabulary, but only the head of "
                                 f"an HF causal LM ({last.name} here is a {last.kind}) can be "
-                                f"split; plan with --granularity layer")
+                                f"split; plan with --head whole")
     why = head_split_refusal(root, head)
     if why is not None:
         raise RuntimeSetupError(f"{where} splits the head, but {why}; plan with "
-                                f"--granularity layer")
+                                f"--head whole")
     if has_loss_fn:
-        raise RuntimeSetupError(f"{where} splits the head, so the pipeline computes the "
-                                f"token-mean loss itself; drop loss_fn or plan with "
-                                f"--granularity layer")
+        raise RuntimeSetupError(f"{where} splits {head} by vocabulary, which a custom loss_fn "
+                                f"cannot see whole; pass loss_fn=autopart.CausalLMLoss() (or "
+                                f"none) or plan with the head whole (--head whole)")
 
 
 def _check_units(chain: BlockChain, root: nn.Module, items: list[DerivedPart],

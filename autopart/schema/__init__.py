@@ -6,7 +6,9 @@ DESIGN.md are the stable minimum; the extra keys here sit beside them.
 
 from autopart.schema.parts import LEVELS, Part
 from autopart.schema.plan import (
+    DP_SHARDS,
     PRECISIONS,
+    ZERO_STAGES,
     BaselineResult,
     HeldModule,
     Plan,
@@ -30,6 +32,8 @@ from autopart.schema.profile import (
 )
 
 __all__ = [
+    "DP_SHARDS",
+    "ZERO_STAGES",
     "BLOCK_KINDS",
     "BaselineResult",
     "BlockProfile",

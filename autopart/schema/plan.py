@@ -32,6 +32,11 @@ PRECISIONS: dict[str, dict[str, Any]] = {
                    "optimizer_dtype": "float32", "master_weights": True},  # 2+4+4+8 = 18 B
 }
 """Static-memory presets: the ``TrainingSetup`` dtype fields each one sets."""
+ZERO_STAGES = (0, 1, 3)
+"""``zero_stage`` values: nothing sharded over dp, the optimizer state, or everything."""
+DP_SHARDS = {"none": (0, False), "optimizer": (1, False), "params-per-step": (3, False),
+             "params-per-microbatch": (3, True)}
+"""``autopart plan --dp-shard`` names -> ``(zero_stage, reshard_after_forward)``."""
 _PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -52,17 +57,27 @@ class TrainingSetup:
     link_bandwidth_bytes_per_s: float = 50e9
     link_latency_ms: float = 0.01
     dp_size: int = 1
-    """Data-parallel replicas; with ``zero_stage`` 1 they share the optimizer state."""
+    """Data-parallel replicas; with ``zero_stage`` 1 or 3 they share state (``DP_SHARDS``)."""
     zero_stage: int = 0
-    """1: ZeRO-1, each replica keeps 1 / dp_size of the optimizer state (and master
-    weights); 0: every replica keeps all of it."""
+    """What the dp replicas shard: 0 nothing; 1 the optimizer state and master weights
+    (ZeRO-1); 3 parameters, gradients, optimizer state and master weights (FSDP2,
+    ``fully_shard`` per block). ZeRO-2 (gradients too, parameters whole) is not offered:
+    under torch's pipeline schedules gradients stay whole until the step's last backward
+    anyway, so it would hold what ZeRO-1 holds."""
+    reshard_after_forward: bool = False
+    """With ``zero_stage`` 3: free the gathered parameters after each forward and gather
+    them again for the backward (per microbatch); off, a stage's parameters are gathered
+    once per step (torchtitan's default under pipeline parallelism)."""
     runtime_overhead: RuntimeOverhead | None = None
     """The pipeline runtime's own cost added to stage and step times (the profile's)."""
 
     def __post_init__(self) -> None:
-        if self.dp_size < 1 or self.zero_stage not in (0, 1):
+        if self.dp_size < 1 or self.zero_stage not in ZERO_STAGES:
             raise SchemaError(f"dp_size ({self.dp_size}) must be >= 1 and zero_stage "
-                              f"({self.zero_stage}) 0 or 1")
+                              f"({self.zero_stage}) one of {ZERO_STAGES}")
+        if self.reshard_after_forward and self.zero_stage != 3:
+            raise SchemaError(f"reshard_after_forward needs zero_stage 3 (parameters "
+                              f"sharded), got zero_stage {self.zero_stage}")
         if self.pp_size < 1:
             raise SchemaError(f"pp_size must be >= 1, got {self.pp_size}")
         if self.num_microbatches < 1:
@@ -289,10 +304,18 @@ class Plan(JsonFile):
     """The profile's dtype."""
     tp_size: int = 1
     """Tensor-parallel degree: devices (within one node) that shard every stage."""
+    sequence_parallel: bool = True
+    """With ``tp_size`` above 1: the residual stream between the split layers is sharded
+    along the sequence (Megatron's sequence parallelism; the norms run on the shards and
+    a pipeline cut sends one shard per tp rank), as the plan was priced
+    (``autopart.mesh_cost``). Plans written before this key planned with it on."""
     dp_size: int = 1
     """Data-parallel replicas of the whole pipeline; the mesh is tp x pp x dp devices."""
     zero_stage: int = 0
-    """1: optimizer state sharded across the dp replicas (ZeRO-1); 0: replicated."""
+    """What the dp replicas shard (``TrainingSetup.zero_stage``): 0 nothing, 1 optimizer
+    state (ZeRO-1), 3 parameters, gradients and optimizer state (FSDP2)."""
+    reshard_after_forward: bool = False
+    """With ``zero_stage`` 3: parameters gathered per microbatch (True) or per step."""
     grad_sync_ms: float = 0.0
     """Data-parallel gradient all-reduce time that runs past the pipeline's end; the
     predicted step with data parallelism is ``predicted_step_ms + grad_sync_ms``."""
@@ -306,8 +329,12 @@ class Plan(JsonFile):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SchemaError(f"plan {name} must be an integer >= 1, got {value!r}")
-        if self.zero_stage not in (0, 1):
-            raise SchemaError(f"plan zero_stage must be 0 or 1, got {self.zero_stage!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise SchemaError(f"plan zero_stage must be one of {ZERO_STAGES}, got "
+                              f"{self.zero_stage!r}")
+        if self.reshard_after_forward and self.zero_stage != 3:
+            raise SchemaError(f"plan reshard_after_forward needs zero_stage 3, got "
+                              f"{self.zero_stage}")
         num_stages = self.pp_size * self.virtual_stages
         if len(self.stages) != num_stages:
             raise SchemaError(f"plan has {len(self.stages)} stage(s), expected pp_size x "

@@ -12,9 +12,15 @@ Rank order is (pp, dp, tp), tp fastest (the runtime's DeviceMesh): a dp group sp
 
 Data parallelism adds the gradient ring all-reduce of each pipeline rank's gradients
 (ZeRO-1: a reduce-scatter of the gradients and an all-gather of the updated parameters,
-each half an all-reduce of its dtype). It overlaps the pipeline drain: rank r starts
-when its own last backward ends, so only what runs past the pipeline's end adds to the
-step. Bucketed overlap with earlier backwards is not modelled (an upper bound).
+each half an all-reduce of its dtype; FSDP: the reduce-scatter of the gradients, once
+per stage and step). It overlaps the pipeline drain: rank r starts when its own last
+backward ends, so only what runs past the pipeline's end adds to the step. Bucketed
+overlap with earlier backwards is not modelled (an upper bound). FSDP gathering once
+per step gathers a rank's first stage before its first forward, hidden while the
+rank waits for its first input (the later stages are prefetched under compute);
+gathering per microbatch puts the gathers in the block times
+(``autopart.mesh_cost.gather_per_microbatch``) and plans without the split-backward
+schedules, whose weight gradients the runtime cannot compute after a reshard.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ from typing import Any
 from autopart.errors import InfeasibleError, PlanError
 from autopart.levels import coarsen
 from autopart.mesh_cost import (
+    gather_per_microbatch,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     shard_profile,
     tp_comm_ms_per_block,
 )
 from autopart.profile.devices import DeviceSpec
-from autopart.schema import DTYPE_BYTES, Plan, Profile
+from autopart.schedules import SCHEDULES
+from autopart.schema import DTYPE_BYTES, Plan, Profile, setup_fields_with_precision
 from autopart.simulate import simulate_plan
 from autopart.solve.options import PlanOptions, device_of
 from autopart.solve.search import make_plan, scan_plan
@@ -81,16 +89,6 @@ class MeshResult:
 
     plan: Plan
     candidates: tuple[MeshCandidate, ...]
-
-
-_RUNTIME_TP_NOTE = (
-    "tensor parallelism is planned as Megatron and NxD run it (vocabulary-parallel embedding "
-    "and head, and sequence parallelism unless --sequence-parallel off), which the nxd and "
-    "megatron exports set up; autopart's own runtime keeps the embedding and head whole and "
-    "has no sequence parallelism, so under auto_pipeline those blocks need more memory and "
-    "time than this plan says")
-"""Said on every plan with tp > 1, so the gap between the model and autopart's runtime is
-never silent."""
 
 
 def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
@@ -214,7 +212,9 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
             shards[t] = shard_profile(
                 whole, t, sequence_parallel=opts.sequence_parallel, shard=shard_of(t),
                 bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s, latency_ms=intra.latency_ms)
-        return _plan_one(shards[t], spec, mesh, options, planner)
+        comm = tp_comm_ms_per_block(whole, t, intra.bandwidth_bytes_per_s, intra.latency_ms,
+                                    opts.sequence_parallel) if t > 1 else []
+        return _plan_one(shards[t], spec, mesh, options, planner, comm)
 
     # Scan every mesh at one level (the profile's, the head cut where it can be) with the
     # DP alone, then plan the best few as asked: the levels, the ILP and the local search
@@ -251,8 +251,9 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
         need = [c.needed_bytes for c in found if c.needed_bytes is not None]
         more = f"; the smallest needs {min(need)} bytes per device" if need else ""
         raise InfeasibleError(f"no tp x pp x dp mesh of {devices} devices fits the memory "
-                              f"limit{more}; add devices, allow --zero 1 or lower the micro "
-                              f"batch size", needed_bytes=min(need) if need else None)
+                              f"limit{more}; add devices, shard more over dp (--dp-shard "
+                              f"optimizer or params-per-step) or lower the micro batch size",
+                              needed_bytes=min(need) if need else None)
     best = fitting[0]
     ranked = [best] + [_with_reason(c, best) for c in fitting[1:]]
     refused = sorted((c for c in found if not c.fits),
@@ -263,14 +264,17 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
 
 
 def _plan_one(sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
-              opts: PlanOptions, planner: Callable[[Profile, PlanOptions], Plan]
-              ) -> MeshCandidate:
-    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync.
+              opts: PlanOptions, planner: Callable[[Profile, PlanOptions], Plan],
+              comm: list[tuple[float, float]]) -> MeshCandidate:
+    """Plan the pipeline of one mesh on its TP-sharded profile and add the DP gradient sync
+    (``comm``: each whole-layer block's TP collectives, for the report).
 
     Under tensor parallelism the plan keeps whole layers and the head whole: autopart's
     runtime shards a layer's heads and columns over tp, which a cut inside a half or a
     head split by vocabulary would cut again (said in the plan's notes)."""
     tp, pp, dp = mesh
+    zero_stage, per_microbatch = (opts.zero_stage, opts.reshard_after_forward) if dp > 1 \
+        else (0, False)
     intra, inter = spec.intra_node, spec.inter_node
     assert intra is not None and inter is not None
     pp_link = intra if tp * pp * dp <= spec.node_size else inter
@@ -283,11 +287,18 @@ def _plan_one(sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
         "link_bandwidth_bytes_per_s": pp_link.bandwidth_bytes_per_s,
         "link_latency_ms": pp_link.latency_ms, "num_microbatches": num_microbatches,
         "global_batch_size": None if num_microbatches is not None else opts.global_batch_size,
-        "device": spec}
+        "device": spec, "zero_stage": zero_stage, "reshard_after_forward": per_microbatch}
     if tp > 1:
         fields.update(granularity="layer", split_head=False)
+    opts = dataclasses.replace(opts, **fields)
+    if per_microbatch:
+        try:
+            sharded, opts = _gathered_per_microbatch(sharded, opts, dp, dp_link)
+        except PlanError as exc:
+            return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
+                                 refused=str(exc))
     try:
-        plan = planner(sharded, dataclasses.replace(opts, **fields))
+        plan = planner(sharded, opts)
     except InfeasibleError as exc:
         return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=None,
                              needed_bytes=exc.needed_bytes)
@@ -297,46 +308,71 @@ def _plan_one(sharded: Profile, spec: DeviceSpec, mesh: tuple[int, int, int],
     sync = _grad_sync_ms(plan, dp, dp_link.bandwidth_bytes_per_s, dp_link.latency_ms)
     per_rank = [0.0]
     if tp > 1:
-        comm = tp_comm_ms_per_block(sharded, tp, intra.bandwidth_bytes_per_s, intra.latency_ms)
         per_rank = [sum(sum(comm[i]) for s in plan.stages_of_rank(r)
                         for i in range(s.first_block_idx, s.last_block_idx + 1))
                     for r in range(pp)]
     notes = plan.notes
     if tp > 1:
-        level = sharded.setup.granularity
-        notes += (sharded.model.notes[-1],) + ((
-            f"tp {tp}: planned at whole layers with the head whole (the profile holds "
-            f"{level}-level blocks): tensor parallelism already splits each layer and the "
-            f"head by heads, columns and vocabulary",) if level != "layer"
-            or sharded.model.head_split_rows else ()) + (_RUNTIME_TP_NOTE,)
-    plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=opts.zero_stage,
-                               grad_sync_ms=sync, notes=notes)
+        notes += (sharded.model.notes[-1], f"tp {tp}: planned at whole layers with the head "
+                  f"whole: tensor parallelism already splits each layer and the head by heads, "
+                  f"columns and vocabulary")
+    plan = dataclasses.replace(plan, tp_size=tp, dp_size=dp, zero_stage=zero_stage,
+                               reshard_after_forward=per_microbatch, grad_sync_ms=sync,
+                               notes=notes, sequence_parallel=opts.sequence_parallel or tp == 1)
     return MeshCandidate(tp_size=tp, pp_size=pp, dp_size=dp, plan=plan,
                          step_ms=plan.predicted_step_ms + sync, grad_sync_ms=sync,
                          tp_comm_ms=max(per_rank) * plan.num_microbatches,
                          peak_memory_bytes=max(r.peak_memory_bytes for r in plan.ranks))
 
 
+def _gathered_per_microbatch(sharded: Profile, opts: PlanOptions, dp: int,
+                             link: Any) -> tuple[Profile, PlanOptions]:
+    """FSDP gathering per microbatch: the gathers in the block times, and the schedules
+    without split backward (the runtime refuses those, ``autopart.runtime.fsdp``)."""
+    fields = {"precision": opts.precision} if opts.precision else {}
+    dtype = setup_fields_with_precision(fields, sharded.setup.dtype)["param_dtype"]
+    gathered = gather_per_microbatch(sharded, dp, DTYPE_BYTES[dtype],
+                                     link.bandwidth_bytes_per_s, link.latency_ms)
+    asked = opts.schedule
+    names = list(SCHEDULES) if asked == "auto" else [asked] if isinstance(asked, str) \
+        else list(asked)
+    kept = tuple(n for n in names if not SCHEDULES[n].split_backward)
+    if not kept:
+        raise PlanError(f"--dp-shard params-per-microbatch cannot run schedule(s) {names} "
+                        f"(their weight gradients run apart from the backward); use "
+                        f"--dp-shard params-per-step or 1f1b / interleaved-1f1b")
+    return gathered, dataclasses.replace(opts, schedule=kept)
+
+
 def _grad_sync_ms(plan: Plan, dp: int, bandwidth: float, latency_ms: float) -> float:
-    """Gradient all-reduce time past the pipeline's end: rank r starts at its last backward."""
+    """The data-parallel traffic not hidden by the pipeline: the gradient sync past its end
+    (rank r starts at its last backward) and, gathering FSDP parameters once per step, the
+    first stage's gather each rank does not hide before its first forward."""
     if dp == 1:
         return 0.0
     result = simulate_plan(plan)
     grad_bytes = DTYPE_BYTES[plan.setup.grad_dtype]
     param_bytes = DTYPE_BYTES[plan.setup.param_dtype]
-    end = result.step_ms
+    end, late = result.step_ms, 0.0
     for rank in range(plan.pp_size):
-        last_bwd = max((e.end_ms for e in result.events
-                        if e.rank == rank and e.kind not in ("F", "SEND")), default=0.0)
+        mine = [e for e in result.events if e.rank == rank]
+        last_bwd = max((e.end_ms for e in mine if e.kind not in ("F", "SEND")), default=0.0)
         num_params = sum(s.param_count for s in plan.stages_of_rank(rank))
+        grads = ring_all_gather_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
         if plan.setup.zero_stage == 1:
             # ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters.
-            sync = (ring_all_gather_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
-                    + ring_all_gather_ms(num_params * param_bytes, dp, bandwidth, latency_ms))
+            sync = grads + ring_all_gather_ms(num_params * param_bytes, dp, bandwidth,
+                                              latency_ms)
+        elif plan.setup.zero_stage == 3:  # FSDP: reduce-scatter the gradients
+            sync = grads
+            if not plan.setup.reshard_after_forward:
+                first = plan.stages_of_rank(rank)[0].param_count * param_bytes
+                start = min((e.start_ms for e in mine if e.kind == "F"), default=0.0)
+                late = max(late, ring_all_gather_ms(first, dp, bandwidth, latency_ms) - start)
         else:
             sync = ring_all_reduce_ms(num_params * grad_bytes, dp, bandwidth, latency_ms)
         end = max(end, last_bwd + sync)
-    return end - result.step_ms
+    return end - result.step_ms + late
 
 
 def _with_reason(cand: MeshCandidate, best: MeshCandidate) -> MeshCandidate:

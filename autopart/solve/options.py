@@ -15,7 +15,7 @@ from typing import Any
 
 from autopart.errors import PlanError, ProfileError
 from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec, parse_backend
-from autopart.schema import Profile
+from autopart.schema import ZERO_STAGES, Profile
 
 __all__ = ["DEVICE", "GRANULARITY_CHOICES", "PlanOptions", "device_of", "memory_limit_of"]
 
@@ -40,7 +40,11 @@ class PlanOptions:
     """Data-parallel replicas: with ``devices`` a size or ``auto``; with ``pp_size`` alone
     an integer (the plan's gradient sync and ZeRO share), default 1."""
     zero_stage: int = 0
-    """1: the optimizer state is sharded over the data-parallel replicas (ZeRO-1)."""
+    """What the data-parallel replicas shard (``TrainingSetup.zero_stage``): 0 nothing, 1
+    the optimizer state (ZeRO-1), 3 parameters, gradients and optimizer state (FSDP)."""
+    reshard_after_forward: bool = False
+    """With ``zero_stage`` 3: gather parameters per microbatch (in every F and B) instead of
+    once per stage and step."""
     sequence_parallel: bool = True
     """With ``devices``: tensor parallelism with sequence parallelism."""
     num_microbatches: int | None = None
@@ -103,8 +107,8 @@ class PlanOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
-        if self.zero_stage not in (0, 1):
-            raise PlanError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if self.granularity not in GRANULARITY_CHOICES:
             raise PlanError(f"unknown granularity {self.granularity!r}; choose one of "
                             f"{', '.join(GRANULARITY_CHOICES[:5])}")

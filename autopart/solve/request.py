@@ -55,7 +55,8 @@ def resolve_request(profile: Profile, options: PlanOptions) -> Request:
     setup: dict[str, Any] = {"optimizer": options.optimizer,
                              "precision": options.precision
                              or default_precision(profile.setup.dtype),
-                             "zero_stage": options.zero_stage}
+                             "zero_stage": options.zero_stage,
+                             "reshard_after_forward": options.reshard_after_forward}
     dp = options.dp_size
     if dp != "auto":
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:

@@ -23,17 +23,19 @@ _COMPUTE = ("F", "LOSS", "B", "BW", "W")
 
 def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult]
                  ) -> RunReport:
-    """A ``RunReport`` from every rank's ``run_rank`` result.
+    """A ``RunReport`` from every rank's ``run_rank`` result (each process of the mesh).
 
     Args:
         plan: The plan that ran.
         settings: How it ran.
-        results: One ``RankResult`` per rank, in any order.
+        results: One ``RankResult`` per process, in any order; stage times pool every
+            replica's and tp rank's spans, each process gets its own rank report.
 
     Returns:
         Measured against predicted, per stage, per rank and per step.
     """
-    results = sorted(results, key=lambda r: r.rank)
+    results = sorted(results, key=lambda r: (r.rank, r.dp_rank, r.tp_rank))
+    first = [r for r in results if r.dp_rank == 0 and r.tp_rank == 0]  # one per pp rank
     sim = simulate_plan(plan)
     steps = [max(r.step_ms[i] for r in results) for i in range(len(results[0].step_ms))]
     train = [max(r.step_ms[i] + r.optimizer_ms[i] for r in results)
@@ -54,7 +56,9 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         stages=_stage_reports(plan, results),
         ranks=tuple(_rank_report(r, sim) for r in results),
         measured_events=tuple(
-            (r.rank, *span) for r in results for span in r.spans[median_idx]),
+            (r.rank, *span) for r in first for span in r.spans[median_idx]),
+        tp_size=plan.tp_size, dp_size=plan.dp_size, sequence_parallel=plan.sequence_parallel,
+        zero_stage=plan.zero_stage, reshard_after_forward=plan.reshard_after_forward,
         parts=dict(plan.parts),
     )
 
@@ -102,7 +106,9 @@ def _rank_report(result: RankResult, sim: SimResult) -> RankReport:
         predicted_busy_ms=sim.rank_busy_ms[rank], measured_busy_ms=_median(busy),
         predicted_idle_ms=sim.rank_idle_ms[rank], measured_wait_ms=_median(wait),
         measured_optimizer_ms=_median(result.optimizer_ms),
-        measured_cpu_ms=_median(result.cpu_ms), memory=result.memory)
+        measured_cpu_ms=_median(result.cpu_ms), memory=result.memory,
+        dp_rank=result.dp_rank, tp_rank=result.tp_rank,
+        measured_step_ms=_median(result.step_ms))
 
 
 def _median(values: Sequence[float]) -> float:

@@ -4,28 +4,33 @@ CUDA: ``torch.cuda.max_memory_allocated`` over the step (everything the allocato
 holds: weights, gradients, optimizer state, buffers, activations, workspaces).
 
 CPU has no allocator counter, so the bytes are counted from live tensors:
-parameters + gradients + optimizer state + torch's preallocated p2p receive
-buffers + the peak of the tensors allocated and alive during the step, tracked
-with ``autopart.profile.memory.LiveTensors`` (gradients excluded from that peak,
-as they are counted whole). This is the quantity the cost model predicts (static
+parameters + gradients + optimizer state (this rank's shards of split ones) + torch's
+preallocated p2p receive buffers + the peak of the tensors allocated and alive during
+the step (FSDP's whole gradients among them), tracked with
+``autopart.profile.memory.LiveTensors`` (gradients excluded from that peak, as they are
+counted whole) + FSDP's gathered parameters, which FSDP refills in place (sampled after
+every action). This is the quantity the cost model predicts (static
 + in-flight activations + boundary buffers + transient workspace); memory the
 allocator or a kernel keeps outside tensors is not seen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from autopart.profile.memory import LiveTensors, storage_key
+from autopart.runtime.tensor_parallel import local_tensor
 from autopart.verify.report import MeasuredMemory
 
 __all__ = ["CPU_METHOD", "CUDA_METHOD", "measure_step_memory"]
 
 CPU_METHOD = ("live tensors: params + grads + optimizer state + recv buffers + peak of tensors "
-              "alive during the step (LiveTensors dispatch mode)")
+              "alive during the step (LiveTensors dispatch mode) + FSDP-gathered parameters")
 CUDA_METHOD = "torch.cuda.max_memory_allocated over the pipeline step"
 
 
@@ -49,18 +54,62 @@ def measure_step_memory(run_step: Callable[[], None], pipe: Any, optimizer: Any,
         torch.cuda.synchronize(device)
         return MeasuredMemory(peak_bytes=int(torch.cuda.max_memory_allocated(device)))
     live = LiveTensors()
-    with live:
+    with live, _gathered_peak(pipe) as gathered:
         run_step()
-    params = pipe.parameters()
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [local_tensor(p) for p in pipe.parameters()]  # this rank's shards
+    grads = [local_tensor(p.grad) for p in pipe.parameters() if p.grad is not None]
     parts = {
         "params_bytes": _unique_bytes(params),
         "grads_bytes": _unique_bytes(grads),
         "optimizer_bytes": _unique_bytes(_optimizer_tensors(optimizer)),
         "buffer_bytes": _unique_bytes(_recv_buffers(pipe.pipe_stages)),
         "live_peak_bytes": peak_without_last(live.events, {storage_key(g) for g in grads}),
+        "gathered_bytes": gathered[0],
     }
     return MeasuredMemory(peak_bytes=sum(parts.values()), **parts)
+
+
+@contextlib.contextmanager
+def _gathered_peak(pipe: Any) -> Iterator[list[int]]:
+    """The most bytes of FSDP-gathered parameters held after any action of the step.
+
+    FSDP keeps each parameter's gathered storage (``FSDPParam.all_gather_outputs``, torch
+    2.13) and frees and refills it in place (``untyped_storage().resize_``), which no
+    dispatched op shows ``LiveTensors``: it is sampled after every F and backward of this
+    rank's stages instead. Yields a one-element list with the figure (0 without FSDP).
+    """
+    gathered = [fp for module in pipe.stage_modules for sub in module.modules()
+                if isinstance(sub, FSDPModule)
+                for group in sub._get_fsdp_state()._fsdp_param_groups
+                for fp in group.fsdp_params]
+    peak = [0]
+    saved = []
+
+    def sampled(stage: Any, name: str) -> None:
+        inner = getattr(stage, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            held = sum(t.untyped_storage().nbytes() for fp in gathered
+                       for t in getattr(fp, "all_gather_outputs", ()))
+            peak[0] = max(peak[0], held)
+            return out
+
+        saved.append((stage, name, stage.__dict__.get(name)))
+        setattr(stage, name, run)
+
+    if gathered:
+        for stage in pipe.pipe_stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                sampled(stage, name)
+    try:
+        yield peak
+    finally:
+        for stage, name, before in saved:  # another wrapper (``StepRecorder``) stays
+            if before is None:
+                delattr(stage, name)
+            else:
+                setattr(stage, name, before)
 
 
 def peak_without_last(events: list[tuple[int, int]], keys: set[int | None]) -> int:
@@ -90,7 +139,7 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values()
+    return [local_tensor(v) for state in optimizer.state.values() for v in state.values()
             if isinstance(v, torch.Tensor)]
 
 

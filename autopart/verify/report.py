@@ -62,6 +62,8 @@ class MeasuredMemory:
     """torch's preallocated p2p receive buffers (CPU)."""
     live_peak_bytes: int | None = None
     """Peak of the tensors allocated and alive during the step, gradients left out (CPU)."""
+    gathered_bytes: int | None = None
+    """FSDP's gathered parameters, the most held after any action (CPU; 0 without FSDP)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +71,7 @@ class RankReport:
     """One rank: predicted and measured peak memory, busy and waiting time per step."""
 
     rank: int
+    """Pipeline rank (its predicted figures are the plan's for that rank)."""
     stages: tuple[int, ...]
     predicted_peak_memory_bytes: int
     measured_peak_memory_bytes: int
@@ -85,6 +88,12 @@ class RankReport:
     means the rank was descheduled, i.e. the machine was shared."""
     memory: MeasuredMemory | None = None
     """The measured parts of the peak (``None`` in reports that did not record them)."""
+    dp_rank: int = 0
+    """Data-parallel replica (plans with ``dp_size`` above 1 report each replica)."""
+    tp_rank: int = 0
+    """Tensor-parallel rank (plans with ``tp_size`` above 1 report each shard)."""
+    measured_step_ms: float = 0.0
+    """This rank's own pipeline step, median over the timed steps (0 in older reports)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,7 +134,14 @@ class RunReport(JsonFile):
     """torch threads the plan's profile was measured with (0: not recorded); compare
     ``num_threads_per_rank``."""
     measured_events: tuple[tuple[Any, ...], ...] = ()
-    """(rank, kind, stage, microbatch, start_ms, end_ms) of the median step, for traces."""
+    """(rank, kind, stage, microbatch, start_ms, end_ms) of the median step, for traces
+    (pipeline ranks of the first replica and tp rank)."""
+    tp_size: int = 1
+    dp_size: int = 1
+    sequence_parallel: bool = True
+    zero_stage: int = 0
+    reshard_after_forward: bool = False
+    """The plan's mesh: ``ranks`` holds one report per process of it."""
     parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)
     """The plan's ``parts``: what each block of ``stages[].modules`` is a part of (for
     calibration; empty in reports written before it)."""

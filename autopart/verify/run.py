@@ -1,4 +1,5 @@
-"""``verify_plan``: run a plan for real on ``pp_size`` ranks and compare it with its prediction.
+"""``verify_plan``: run a plan for real on its ``pp x dp x tp`` ranks and compare it with its
+prediction.
 
 Outside a launcher it spawns the ranks itself (``torch.multiprocessing``; gloo on
 CPU, nccl with one GPU per rank when CUDA is present); under torchrun
@@ -42,7 +43,7 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
     Args:
         plan: The plan, or the path of its JSON file.
         settings: The model and how to run it (steps, warm-up, threads, timeout).
-        nproc: Ranks to spawn; defaults to the plan's ``pp_size`` and must equal it.
+        nproc: Ranks to spawn; defaults to the plan's ``pp x dp x tp`` and must equal it.
         progress: ``progress(done, total, what)`` after the ranks have built their
             stages, after every step and after the memory step (pipeline rank 0's
             view), in this process.
@@ -51,23 +52,18 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
         The ``RunReport``; ``None`` on ranks other than 0 under torchrun.
 
     Raises:
-        AutopartError: One line, for a missing plan, a plan with tensor or data
-            parallelism (tp_size or dp_size above 1), a world size that is not the
-            plan's, a model the plan was not made for, or a rank failing that way.
+        AutopartError: One line, for a missing plan, a world size that is not the
+            plan's mesh, a model the plan was not made for, or a rank failing that way.
     """
     plan_obj = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if plan_obj.tp_size > 1 or plan_obj.dp_size > 1:
-        raise RuntimeSetupError(f"verify runs pipeline-only plans, this one has tp_size "
-                                f"{plan_obj.tp_size} and dp_size {plan_obj.dp_size}; make "
-                                f"one with 'autopart plan --pp {plan_obj.pp_size}' (no "
-                                f"--devices) to verify its pipeline split")
+    mesh = plan_obj.pp_size * plan_obj.dp_size * plan_obj.tp_size
     in_place = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if in_place else (nproc or plan_obj.pp_size)
-    if world != plan_obj.pp_size:
+    world = int(os.environ["WORLD_SIZE"]) if in_place else (nproc or mesh)
+    if world != mesh:
         where = "WORLD_SIZE" if in_place else "--nproc"
-        raise RuntimeSetupError(f"{where} is {world} but the plan has pp_size "
-                                f"{plan_obj.pp_size} (data parallelism is not verified); "
-                                f"run {plan_obj.pp_size} ranks")
+        raise RuntimeSetupError(f"{where} is {world} but the plan needs pp {plan_obj.pp_size} "
+                                f"x dp {plan_obj.dp_size} x tp {plan_obj.tp_size} = {mesh} "
+                                f"ranks; run {mesh} ranks")
     _check_model_matches(plan_obj, settings.model)
     if in_place:
         return _run_in_place(plan_obj, settings, progress)

@@ -1,8 +1,9 @@
 """What every rank does under ``verify_plan``: build its stages, train, time, measure memory.
 
-Each rank builds its stages with ``auto_pipeline(model, plan=plan)``, trains
-``warmup + steps`` steps on synthetic token ids (labels = ids) of the plan's
-batch (``micro_batch_size * num_microbatches`` x ``seq_len``) with the plan's
+Each rank builds its stages with ``auto_pipeline(model, plan=plan)`` (its tensor- and
+data-parallel shards too), trains ``warmup + steps`` steps on synthetic token ids
+(labels = ids) of the plan's batch per replica (``micro_batch_size * num_microbatches``
+x ``seq_len``, a different batch on each replica) with the plan's
 optimizer (adam -> AdamW, sgd -> SGD with momentum, none -> no update), timing
 each step between barriers and every F/B/W and p2p wait inside it
 (``StepRecorder``). A last, untimed step measures memory. The result is a
@@ -95,6 +96,10 @@ class RankResult:
     """The device's name."""
     num_threads: int
     """torch's thread count in this rank."""
+    dp_rank: int = 0
+    """Data-parallel replica of this process (0 without data parallelism)."""
+    tp_rank: int = 0
+    """Tensor-parallel rank of this process (0 without tensor parallelism)."""
 
 
 def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
@@ -125,7 +130,8 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
                                 f"{settings.model!r} is not one (give an HF preset or config)")
     optimizer = _make_optimizer(plan.setup.optimizer, pipe.parameters(),
                                 settings.lr)
-    ids = _synthetic_ids(plan, pipe.config.vocab_size, settings.seed)
+    # each data-parallel replica trains its own slice of the global batch
+    ids = _synthetic_ids(plan, pipe.config.vocab_size, settings.seed + pipe.groups.dp_rank)
     ids = ids.to(device)
     num_steps = settings.warmup + settings.steps
     total = num_steps + 2
@@ -163,7 +169,8 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
         cpu_ms=tuple(cpu_ms[timed]),
         spans=tuple(tuple(_span_row(s) for s in step) for step in recorder.steps[timed]),
         memory=memory, memory_method=CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
-        device=_device_name(device), num_threads=torch.get_num_threads())
+        device=_device_name(device), num_threads=torch.get_num_threads(),
+        dp_rank=pipe.groups.dp_rank, tp_rank=pipe.groups.tp_rank)
 
 
 def _timed_step(run_step, pipe, optimizer, recorder: StepRecorder,
@@ -172,7 +179,7 @@ def _timed_step(run_step, pipe, optimizer, recorder: StepRecorder,
     the process CPU time of the pipeline step (below the wall time when the rank waited or
     was descheduled by other load)."""
     _zero_grad(pipe, optimizer)
-    dist.barrier(group=pipe.groups.pp_group)
+    dist.barrier()  # every rank of the mesh starts the step together
     recorder.begin_step()
     start, cpu_start = time.perf_counter(), time.process_time()
     run_step()
