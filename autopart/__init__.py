@@ -5,8 +5,7 @@ virtual stages, schedule and microbatch count that give the fastest step within
 each device's memory, and run that plan on ``torch.distributed.pipelining``::
 
     profile = autopart.profile_model("llama-3-8b", backend="analytical:h100", seq_len=4096)
-    plan = autopart.make_plan(profile, pp_size=8, num_microbatches=32,
-                              memory_limit_bytes=80 * 2**30)
+    plan = autopart.make_plan(profile, autopart.PlanOptions(pp_size=8, num_microbatches=32))
     model = autopart.auto_pipeline("llama-3-8b", plan=plan)  # under torchrun
 
 The names below are the public API, one per step of that flow; each phase's
@@ -28,10 +27,13 @@ __version__ = "0.1.0"
 # Public entry points, by the module that defines them; loaded lazily.
 _LAZY = {
     "profile_model": "autopart.profile",
+    "ProfileOptions": "autopart.profile",
     "make_plan": "autopart.solve",
+    "PlanOptions": "autopart.solve",
     "export_plan": "autopart.export",
     "simulate_plan": "autopart.simulate",
     "auto_pipeline": "autopart.runtime",
+    "RuntimeOptions": "autopart.runtime",
     "CausalLMLoss": "autopart.runtime",
     "save_checkpoint": "autopart.runtime",
     "load_checkpoint": "autopart.runtime",
@@ -41,15 +43,18 @@ _LAZY = {
 }
 
 # The public API: profile -> plan -> export or simulate -> train (with the built-in loss)
-# -> verify -> calibrate, the two data files, and the errors a caller tells apart (all are
-# AutopartError).
+# -> verify -> calibrate, each step's typed options, the two data files, and the errors a
+# caller tells apart (all are AutopartError).
 __all__ = [
     "AutopartError",
     "CausalLMLoss",
     "InfeasibleError",
     "Plan",
+    "PlanOptions",
     "Profile",
+    "ProfileOptions",
     "RunSettings",
+    "RuntimeOptions",
     "__version__",
     "auto_pipeline",
     "calibrate_profile",

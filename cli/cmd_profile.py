@@ -21,7 +21,7 @@ from rich.table import Table
 from autopart.errors import ProfileError
 from autopart.intake.blocks import DISCOVERY_LEVELS
 from autopart.jsonio import check_writable
-from autopart.profile import list_devices, profile_model
+from autopart.profile import ProfileOptions, list_devices, profile_model
 from autopart.schema import Profile
 from autopart.schema.parts import LEVEL_ALIASES
 from autopart.verify.machine import machine_check_for
@@ -83,15 +83,11 @@ def run(args: argparse.Namespace) -> int:
             raise ProfileError(f"--pp must be >= 1, got {args.pp}")
         if args.backend == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.pp))
-    neighbours = _neighbours(args)
+    options = profile_options(args)  # flags checked before profiling, as the output path
     if args.out is not None:
         check_writable(args.out)  # before profiling, not after
     with progress_bar("profiling") as progress:
-        profile = profile_model(
-            args.model, backend=args.backend, micro_batch_size=args.micro_batch_size,
-            seq_len=args.seq_len, dtype=args.dtype, num_warmup=args.warmup,
-            num_repeats=args.repeats, layer_classes=args.layer_class,
-            granularity=args.granularity, neighbours=neighbours, progress=progress)
+        profile = profile_model(args.model, options, progress=progress)
     check = machine_check_for(profile)
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)
@@ -110,6 +106,15 @@ def run(args: argparse.Namespace) -> int:
         _print_noise(profile, console)
     Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
+
+
+def profile_options(args: argparse.Namespace) -> ProfileOptions:
+    """The command line's flags as ``ProfileOptions``."""
+    return ProfileOptions(
+        backend=args.backend, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+        dtype=args.dtype, num_warmup=args.warmup, num_repeats=args.repeats,
+        layer_classes=tuple(args.layer_class) if args.layer_class else None,
+        granularity=args.granularity, neighbours=_neighbours(args))
 
 
 def _neighbours(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.runtime import auto_pipeline
+from autopart import PlanOptions, ProfileOptions, auto_pipeline
 
 WIDTH, SEQ = 64, 16
 
@@ -40,10 +40,11 @@ def main() -> None:
 
     with torch.device("meta"):
         model = make_model(args.blocks)
-    options = {"micro_batch_size": args.batch_size // args.microbatches, "seq_len": SEQ,
-               "num_microbatches": args.microbatches, "num_warmup": 1, "num_repeats": 3}
+    profile_options = ProfileOptions(micro_batch_size=args.batch_size // args.microbatches,
+                                     seq_len=SEQ, num_warmup=1, num_repeats=3)
+    plan_options = PlanOptions(pp_size=dist.get_world_size(), num_microbatches=args.microbatches)
     pipe = auto_pipeline(model, plan=args.plan, loss_fn=nn.functional.mse_loss, device="cpu",
-                         plan_options=options)
+                         plan_options=plan_options, profile_options=profile_options)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     teacher = torch.Generator().manual_seed(0)
     projection = torch.randn(WIDTH, 1, generator=teacher) / WIDTH**0.5

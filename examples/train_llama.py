@@ -30,7 +30,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from autopart.runtime import auto_pipeline, load_checkpoint, save_checkpoint
+from autopart import (
+    PlanOptions,
+    ProfileOptions,
+    auto_pipeline,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,10 +92,11 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 def main() -> None:
     args = parse_args()
     device = init_distributed()
-    plan_options = {"micro_batch_size": max(1, args.batch_size // args.microbatches),
-                    "seq_len": args.seq_len, "num_microbatches": args.microbatches,
-                    "num_warmup": 1, "num_repeats": 3}
+    profile_options = ProfileOptions(micro_batch_size=max(1, args.batch_size // args.microbatches),
+                                     seq_len=args.seq_len, num_warmup=1, num_repeats=3)
+    plan_options = PlanOptions(pp_size=dist.get_world_size(), num_microbatches=args.microbatches)
     pipe = auto_pipeline(args.model, plan=args.plan, device=device, plan_options=plan_options,
+                         profile_options=profile_options,
                          activation_checkpointing="plan" if args.activation_checkpointing
                          else None, autocast_dtype=torch.bfloat16 if args.bf16 else None)
     vocab_size = pipe.config.vocab_size

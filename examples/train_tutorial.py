@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopart.runtime import auto_pipeline  # autopart: the one import
+from autopart import PlanOptions, ProfileOptions, auto_pipeline  # autopart: the one import
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tutorial_model import TINY, ModelArgs, Transformer  # noqa: E402 - the tutorial's model
@@ -67,9 +67,12 @@ if __name__ == "__main__":
 
     # autopart: instead of manual_model_split / tracer_model_split and ScheduleGPipe
     pipe = auto_pipeline(model, plan=cli.plan, loss_fn=tokenwise_loss_fn, device=device,
-                         pp_group=pp_group, plan_options={
-                             "micro_batch_size": batch // num_microbatches, "seq_len": seq,
-                             "num_microbatches": num_microbatches})
+                         pp_group=pp_group,
+                         profile_options=ProfileOptions(micro_batch_size=batch // num_microbatches,
+                                                        seq_len=seq),
+                         plan_options=PlanOptions(pp_size=pp_group.size() if pp_group else
+                                                  dist.get_world_size(),
+                                                  num_microbatches=num_microbatches))
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     if pipe.is_last:
         print(pipe.debug_summary(), flush=True)

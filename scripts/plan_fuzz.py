@@ -50,8 +50,9 @@ def main() -> int:
                     check_exact(run_ranks(train_worker, world, folder / f"run{case.index}",
                                           case, str(outcome.plan_path)), {"plan": None}, 1e-5)
                     counts["trained exactly"] += 1
-                except AssertionError as exc:
-                    failures.append(f"not exact: {case.family} {' '.join(case.argv)}: {exc}")
+                except Exception as exc:  # noqa: BLE001 - a failed run is a finding
+                    failures.append(f"not exact: {case.family} {' '.join(case.argv)}: "
+                                    f"{str(exc).strip()[-300:]}")
                 trained += 1
     for failure in failures:
         print(failure)

@@ -179,14 +179,20 @@ def cases(seed: int, num: int, folder: Path) -> list[tuple[Case, Path]]:
     return out
 
 
+TRAIN_BATCH = 4
+"""Sequences in the batch a sampled plan trains on (``families.reference_run``)."""
+
+
 def trainable(outcome: Outcome) -> bool:
-    """A plan one CPU can run on 2 or 4 gloo ranks (no tensor or data parallelism)."""
+    """A plan one CPU can run on 2 or 4 gloo ranks (no tensor or data parallelism) with at
+    most as many microbatches as the batch has sequences."""
     if outcome.result != "plan":
         return False
     from autopart.schema import Plan
 
     plan = Plan.load(outcome.plan_path)
-    return plan.tp_size == plan.dp_size == 1 and plan.pp_size in (2, 4)
+    return plan.tp_size == plan.dp_size == 1 and plan.pp_size in (2, 4) and \
+        plan.num_microbatches <= TRAIN_BATCH
 
 
 def train_worker(rank: int, world_size: int, case: Case, plan_path: str) -> dict:

@@ -24,12 +24,13 @@ def test_every_exported_name_resolves(package):
 
 
 def test_top_level_is_one_name_per_step():
-    """profile, plan, export, simulate, train (4), verify (2), calibrate; data; errors."""
+    """profile, plan, export, simulate, train (4), verify (2), calibrate, the options of
+    profile, plan and train; data; errors."""
     assert sorted(autopart.__all__) == sorted([
         "profile_model", "make_plan", "export_plan", "simulate_plan", "auto_pipeline",
         "CausalLMLoss", "save_checkpoint", "load_checkpoint", "verify_plan", "RunSettings",
-        "calibrate_profile", "Plan", "Profile", "AutopartError", "InfeasibleError",
-        "__version__"])
+        "calibrate_profile", "ProfileOptions", "PlanOptions", "RuntimeOptions", "Plan",
+        "Profile", "AutopartError", "InfeasibleError", "__version__"])
 
 
 def test_unknown_name_is_an_attribute_error():

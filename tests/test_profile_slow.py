@@ -46,5 +46,5 @@ def test_profiling_cost_barely_grows_with_depth(one_thread, steady_machine):
         bench.time_profile(small, 64, 1)
         t4, n4 = bench.time_profile(small, 64, 5)
         t48, n48 = bench.time_profile(large, 64, 5)
-    assert n4 == n48 == 4
+    assert n4 == n48, (n4, n48)  # identical layers measured once at any level
     assert t48 < 2.0 * t4 + 0.2, (t4, t48)

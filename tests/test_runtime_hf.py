@@ -16,7 +16,9 @@ from transformers import LlamaConfig
 
 from autopart.intake import discover_blocks, load_model
 from autopart.intake.sources import build_hf_model
+from autopart.profile import ProfileOptions
 from autopart.runtime import auto_pipeline
+from autopart.solve import PlanOptions
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -176,9 +178,10 @@ def test_four_ranks_and_data_parallel_mesh(tmp_path):
 def _auto_worker(rank: int, world_size: int) -> dict:
     batch = padded_batch(512, batch=8, seq_len=12)
     state, ref_loss, ref_grads = reference("tiny-llama", batch)
-    options = {"micro_batch_size": 2, "seq_len": 12, "num_warmup": 1, "num_repeats": 2,
-               "num_microbatches": 4}
-    pipe = auto_pipeline("tiny-llama", plan="auto", device="cpu", plan_options=options)
+    pipe = auto_pipeline("tiny-llama", plan="auto", device="cpu",
+                         profile_options=ProfileOptions(micro_batch_size=2, seq_len=12,
+                                                        num_warmup=1, num_repeats=2),
+                         plan_options=PlanOptions(pp_size=world_size, num_microbatches=4))
     pipe.load_state_dict(state)
     return _run_schedule(pipe, batch, ref_loss, ref_grads) | {"plan": pipe.plan.to_json()}
 

@@ -10,6 +10,8 @@ split across stages, shifted or aligned targets.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,11 +19,14 @@ from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, plann
 from test_runtime_hf import ALIASES, TOL, _meta_model, reference
 
 from autopart import CausalLMLoss
+from autopart.errors import AutopartError
 from autopart.intake import discover_blocks
 from autopart.intake.head_split import vocab_range
-from autopart.runtime.builder import auto_plan_options, split_loss
+from autopart.runtime.builder import split_loss
 from autopart.runtime.head_shards import shard_carry, token_losses
 from autopart.runtime.loss import LogitsLoss, TokenLossesLoss
+from autopart.runtime.plan_source import AutoOptions
+from autopart.solve import PlanOptions
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,16 +90,24 @@ def test_microbatch_forms_add_up_to_the_batch_mean():
 
 def test_which_loss_runs_and_what_auto_plans():
     """The built-in loss is passed or the HF default; a custom callable keeps plan='auto'
-    at layer granularity (no head split), the built-in loss does not restrict it."""
+    from cutting the head by vocabulary (every other level stays open), the built-in loss
+    does not restrict it; pp and dp sizes come from the groups."""
     chain = discover_blocks(_meta_model("tiny-llama"))
     mine = CausalLMLoss(shift_labels=False)
     assert split_loss(mine, chain) == (mine, None)
     builtin, custom = split_loss(None, chain)
     assert isinstance(builtin, CausalLMLoss) and custom is None
     assert split_loss(F.mse_loss, chain) == (None, F.mse_loss)
-    assert auto_plan_options(None, custom=True) == {"granularity": "layer"}
-    assert auto_plan_options({"granularity": "slice"}, custom=True) == {"granularity": "slice"}
-    assert auto_plan_options({"schedule": "1f1b"}, custom=False) == {"schedule": "1f1b"}
+    groups = SimpleNamespace(pp_size=2, dp_size=2)
+    profile, plan = AutoOptions().resolved(groups, "cpu", custom_loss=True)
+    assert (profile.backend, plan.pp_size, plan.dp_size, plan.split_head) == ("cpu", 2, 2, False)
+    _, plan = AutoOptions({"granularity": "slice"}).resolved(groups, "cpu", custom_loss=True)
+    assert (plan.granularity, plan.split_head) == ("slice", False)
+    _, plan = AutoOptions(PlanOptions(pp_size=2, schedule="1f1b")).resolved(
+        groups, "cuda", custom_loss=False)
+    assert (plan.schedule, plan.split_head) == ("1f1b", None)
+    with pytest.raises(AutopartError, match="unknown plan option 'seq_len'"):
+        AutoOptions({"seq_len": 8}).resolved(groups, "cpu", custom_loss=False)
 
 
 # name -> (schedule, head shards (0: whole), block counts per stage, shift_labels)

@@ -119,17 +119,16 @@ def cpu_profile(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mesh", [{"tp": 2, "dp": 1, "sequence_parallel": True},
-                                  {"tp": 1, "dp": 2, "zero_stage": 3}])
+@pytest.mark.parametrize("mesh", [{"tp_size": 2, "dp_size": 1, "sequence_parallel": True},
+                                  {"tp_size": 1, "dp_size": 2, "zero_stage": 3}])
 def test_tp_and_fsdp_plans_run_with_every_rank_memory_within_5_percent(cpu_profile, mesh):
     """pp 2 x tp 2 (sequence parallel) and pp 2 x dp 2 (FSDP per step) from a CPU profile:
     every one of the 4 processes reports its step, and its measured peak memory is
     within 5% of the plan's prediction for its pipeline rank."""
-    from autopart.profile import load_device_spec
     from autopart.solve.mesh import plan_mesh
     from autopart.verify import RunSettings
 
-    plan = plan_mesh(cpu_profile, devices=4, spec=load_device_spec("h100"), pp=2,
+    plan = plan_mesh(cpu_profile, devices=4, device="h100", pp_size=2,
                      num_microbatches=4, schedule="1f1b", refine_evals=0, **mesh).plan
     report = verify_plan(plan, RunSettings(model="tiny-llama", steps=1, warmup=1,
                                            threads_per_rank=1, timeout_s=240))

@@ -29,9 +29,11 @@ cuda).
 from typing import Any
 
 from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec, parse_backend
+from autopart.profile.options import ProfileOptions
 
 # Public entry points of the profile phase.
-__all__ = ["DeviceSpec", "list_devices", "load_device_spec", "parse_backend", "profile_model"]
+__all__ = ["DeviceSpec", "ProfileOptions", "list_devices", "load_device_spec", "parse_backend",
+           "profile_model"]
 
 
 def __getattr__(name: str) -> Any:

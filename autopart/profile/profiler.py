@@ -41,6 +41,7 @@ from autopart.profile.model_info import model_info
 from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
+from autopart.profile.options import ProfileOptions
 from autopart.profile.slices import SliceChecks
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
@@ -54,12 +55,8 @@ ProgressFn = Callable[[int, int, str], None]
 _Engine = MeasuringEngine | AnalyticalEngine
 
 
-def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu",
-                  micro_batch_size: int = 1, seq_len: int = 128, dtype: str = "float32",
-                  num_warmup: int = 3, num_repeats: int = 10,
-                  layer_classes: list[str] | None = None, leaf_modules: list[str] | None = None,
-                  granularity: str = "projection", neighbours: int = 0,
-                  progress: ProgressFn | None = None) -> Profile:
+def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions | None = None,
+                  /, *, progress: ProgressFn | None = None, **fields: Any) -> Profile:
     """Profile every block of ``source`` for one microbatch of training.
 
     The blocks are found by watching the model's forward (``discover_blocks``);
@@ -69,43 +66,37 @@ def profile_model(source: str | nn.Module | LoadedModel, *, backend: str = "cpu"
         source: Anything ``autopart.intake.load_model`` takes (preset, HF config
             path or directory, hub id in the local cache, ``pkg.module:factory``,
             an ``nn.Module``), or a ``LoadedModel``.
-        backend: ``cpu``, ``cuda``, ``xla`` or ``analytical:<device>`` (a key of
-            ``profiles/devices.json``).
-        micro_batch_size: Sequences per microbatch.
-        seq_len: Tokens per sequence.
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
-        num_warmup: Untimed runs per block before measuring.
-        num_repeats: Timed runs per block (the median is kept).
-        layer_classes: Class names of the repeated layers, overriding discovery.
-        leaf_modules: Class names never split into smaller blocks.
-        granularity: The finest level to measure (``autopart.schema.parts.LEVELS``):
-            ``projection`` (the default: each decoder layer's attention and MLP halves,
-            each cut before its output projection where that cut is exact), ``half`` or
-            ``layer``. Identical parts are measured once; where a family's layers or
-            halves cannot be cut exactly they stay whole, and the profile's
-            ``setup.granularity`` and notes say so.
-        neighbours: CPU only: other processes that profile the same model on this
-            machine while it is measured, standing in for the pipeline's other ranks
-            (``autopart profile --pp N``: ``N - 1``); ``source`` must then be a string
+        options: How to measure (``ProfileOptions``: backend, shape, dtype, repeats, the
+            finest level, neighbours); ``fields`` replace its fields, so
+            ``profile_model("llama-3-8b", backend="analytical:h100")`` works alone. With
+            ``neighbours`` on CPU, ``source`` must be a string
             (``autopart.profile.neighbours``).
         progress: ``progress(done, total, block_name)`` after each block.
+        **fields: ``ProfileOptions`` fields.
 
     Returns:
-        The ``Profile``: one ``BlockProfile`` per block, the set-up it was taken in.
+        The ``Profile``: one ``BlockProfile`` per block, the set-up it was taken in. Where
+        a family's layers or halves cannot be cut exactly they stay whole, and the
+        profile's ``setup.granularity`` and notes say so.
 
     Raises:
         ModelSourceError: The model cannot be loaded or its forward not pipelined.
         ProfileError: Bad settings, a block failing on the backend, or neighbours that
             cannot start (one line).
     """
-    backend = check_settings(backend, micro_batch_size, seq_len, dtype, num_warmup, num_repeats)
+    opts = ProfileOptions.of(options, **fields)
+    backend, dtype = opts.backend, opts.dtype
+    micro_batch_size, seq_len = opts.micro_batch_size, opts.seq_len
+    neighbours = opts.neighbours
+    backend = check_settings(backend, micro_batch_size, seq_len, dtype, opts.num_warmup,
+                             opts.num_repeats)
     if neighbours and backend != "cpu":
         raise ProfileError(f"busy neighbours are for the cpu backend (ranks sharing one CPU), "
                            f"not {backend}; profile with neighbours=0")
-    settings = {"backend": backend, "micro_batch_size": micro_batch_size, "seq_len": seq_len,
-                "dtype": dtype, "num_warmup": num_warmup, "num_repeats": num_repeats,
-                "layer_classes": layer_classes, "leaf_modules": leaf_modules,
-                "granularity": granularity}
+    settings = {**opts.as_fields(), "backend": backend, "neighbours": 0}
+    layer_classes = list(opts.layer_classes) if opts.layer_classes else None
+    leaf_modules = list(opts.leaf_modules) if opts.leaf_modules else None
+    granularity, num_warmup, num_repeats = opts.granularity, opts.num_warmup, opts.num_repeats
     loaded = source if isinstance(source, LoadedModel) else load_model(source)
     model = loaded.model
     chain = discover_blocks(model, layer_classes=layer_classes, leaf_modules=leaf_modules,

@@ -10,8 +10,9 @@ directories keyed by the unpipelined model's FQNs.
 from autopart.runtime.builder import auto_pipeline
 from autopart.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autopart.runtime.loss import CausalLMLoss
+from autopart.runtime.options import RuntimeOptions
 from autopart.runtime.pipeline import PipelinedModel
 
 # Public entry points; everything else in this package is internal.
-__all__ = ["CausalLMLoss", "PipelinedModel", "auto_pipeline", "load_checkpoint",
+__all__ = ["CausalLMLoss", "PipelinedModel", "RuntimeOptions", "auto_pipeline", "load_checkpoint",
            "save_checkpoint"]

@@ -23,12 +23,14 @@ from torch import nn
 
 from autopart.intake import BlockChain, discover_blocks, load_model
 from autopart.intake.blocks import with_carries
+from autopart.profile.options import ProfileOptions
 from autopart.runtime.fsdp import apply_fsdp, check_fsdp, mixed_precision
 from autopart.runtime.groups import Groups, resolve_groups
 from autopart.runtime.holding import materialize_rank, share_across_ranks, tied_parameters
 from autopart.runtime.loss import CausalLMLoss, LogitsLoss, TokenLossesLoss, VocabParallelLoss
+from autopart.runtime.options import RuntimeOptions
 from autopart.runtime.pipeline import PipelinedModel
-from autopart.runtime.plan_source import resolve_plan
+from autopart.runtime.plan_source import AutoOptions, resolve_plan
 from autopart.runtime.planned import base_names, chain_level
 from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
 from autopart.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel, tp_plan_of
@@ -41,6 +43,7 @@ from autopart.runtime.validate import (
 )
 from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import Plan, StagePlan
+from autopart.solve.options import PlanOptions
 
 __all__ = ["auto_pipeline", "tied_parameters"]
 
@@ -50,15 +53,10 @@ logger = logging.getLogger(__name__)
 
 def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
                   loss_fn: Callable[..., torch.Tensor] | None = None,
-                  device: torch.device | str | None = None,
-                  pp_group: dist.ProcessGroup | None = None, device_mesh=None,
-                  param_init_fn: Callable[[nn.Module], None] | None = None,
-                  dtype: torch.dtype | None = None,
-                  activation_checkpointing: bool | str | None = None,
-                  checkpoint_path: str | Path | None = None,
-                  autocast_dtype: torch.dtype | None = None,
-                  init_seed: int = 0,
-                  plan_options: dict[str, Any] | None = None) -> PipelinedModel:
+                  options: RuntimeOptions | None = None,
+                  plan_options: PlanOptions | dict[str, Any] | None = None,
+                  profile_options: ProfileOptions | dict[str, Any] | None = None,
+                  **fields: Any) -> PipelinedModel:
     """Build this rank's stages of ``model_or_source`` as ``plan`` says.
 
     Every stage keeps its blocks under their original FQNs and runs the model's
@@ -73,7 +71,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
             only its blocks) or an autopart model source (preset, HF config path,
             ``pkg.module:factory``).
         plan: A ``Plan``, the path of a plan JSON, or ``"auto"`` (profile and solve
-            on rank 0, then broadcast).
+            on rank 0 with ``profile_options`` and ``plan_options``, then broadcast).
         loss_fn: ``autopart.CausalLMLoss()`` (the default for HF causal LMs: the
             token mean of the next-token loss over the whole batch; ``step``'s
             ``target`` is the labels as HF takes them, shifted inside), or a custom
@@ -82,23 +80,15 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
             ``target`` unchanged, the microbatch losses averaged. A plan that splits the
             head by vocabulary needs the built-in loss; with a custom one ``plan="auto"``
             keeps the head whole (the plan does not cut it by vocabulary).
-        device: Where this rank's blocks live (default: the current CUDA device,
-            else the CPU).
-        pp_group: The pipeline's process group when it is not the whole world.
-        device_mesh: A DeviceMesh with a ``"pp"`` dimension and optional ``"dp"``
-            and ``"tp"`` ones (instead of ``pp_group``). Without either, the groups
-            come from the plan: the world must have ``pp_size * dp_size * tp_size``
-            ranks, laid out as a ``("pp", "dp", "tp")`` mesh.
-        param_init_fn: ``param_init_fn(block)`` initializes a materialized block.
-        dtype: Cast the blocks to this dtype.
-        activation_checkpointing: ``"plan"`` (the stages the plan marks), ``True``
-            (every stage) or ``None``.
-        checkpoint_path: Local safetensors file or directory to load weights from.
-        autocast_dtype: Run the forward under ``torch.autocast`` in this dtype.
-        init_seed: Seed of the default per-block initialization.
-        plan_options: With ``plan="auto"``: options for ``profile_model``
-            (``micro_batch_size``, ``seq_len``, ``backend``, ...) and ``make_plan``
-            (``num_microbatches``, ``schedule``, ...).
+        options: Where the stages live and how their weights are made
+            (``RuntimeOptions``: device, groups, initialization, dtype, checkpointing);
+            ``fields`` replace its fields (``auto_pipeline(m, plan=p, device="cpu")``).
+        plan_options: With ``plan="auto"``: the ``PlanOptions`` (or their fields as a
+            dict; ``pp_size`` and ``dp_size`` default to the groups'). The memory limit
+            and links default from the profile's device, as for ``autopart plan``.
+        profile_options: With ``plan="auto"``: the ``ProfileOptions`` (or their fields);
+            the backend defaults to the device's.
+        **fields: ``RuntimeOptions`` fields.
 
     Returns:
         The ``PipelinedModel``: ``step(*inputs, target=...)`` runs one training step.
@@ -109,11 +99,12 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
         SchemaError: The plan file is missing or malformed.
         ModelSourceError: The model cannot be loaded or its forward not pipelined.
     """
-    setup = _checked_setup(model_or_source, plan, loss_fn, pp_group, device_mesh,
-                           _resolve_device(device), activation_checkpointing, plan_options)
-    pipelined = _assemble(setup, dtype=dtype, param_init_fn=param_init_fn,
-                          checkpoint_path=checkpoint_path, init_seed=init_seed,
-                          autocast_dtype=autocast_dtype)
+    opts = RuntimeOptions.of(options, **fields)
+    setup = _checked_setup(model_or_source, plan, loss_fn, opts,
+                           AutoOptions(plan_options, profile_options))
+    pipelined = _assemble(setup, dtype=opts.dtype, param_init_fn=opts.param_init_fn,
+                          checkpoint_path=opts.checkpoint_path, init_seed=opts.init_seed,
+                          autocast_dtype=opts.autocast_dtype)
     if dist.get_rank() == 0:
         logger.info("autopart pipeline built:\n%s", pipelined.debug_summary())
     return pipelined
@@ -140,19 +131,17 @@ class _Setup:
 
 
 def _checked_setup(source: nn.Module | str, plan: Plan | str | Path,
-                   loss_fn: Callable[..., torch.Tensor] | None,
-                   pp_group: dist.ProcessGroup | None, device_mesh, dev: torch.device,
-                   activation_checkpointing: bool | str | None,
-                   plan_options: dict[str, Any] | None) -> _Setup:
+                   loss_fn: Callable[..., torch.Tensor] | None, opts: RuntimeOptions,
+                   auto: AutoOptions) -> _Setup:
     """The model, plan and groups, with every check that can fail done (module docstring)."""
     root = load_model(source).model
     chain = discover_blocks(root)
     check_model(chain, has_loss_fn=loss_fn is not None)
     builtin, custom = split_loss(loss_fn, chain)
-    recompute = recompute_rule(activation_checkpointing)
-    plan_options = auto_plan_options(plan_options, custom=custom is not None)
-    groups, plan_obj, tp_plan = _groups_and_plan(plan, source, root, chain, pp_group,
-                                                 device_mesh, dev, plan_options)
+    recompute = recompute_rule(opts.activation_checkpointing)
+    dev = _resolve_device(opts.device)
+    groups, plan_obj, tp_plan = _groups_and_plan(plan, source, root, chain, opts, dev, auto,
+                                                 custom is not None)
     chain = chain_for_plan(root, chain, plan_obj)
     check_plan(plan_obj, chain, pp_size=groups.pp_size, tp_size=groups.tp_size,
                dp_size=groups.dp_size)
@@ -257,15 +246,9 @@ def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain
     return None, loss_fn
 
 
-def auto_plan_options(options: dict[str, Any] | None, *, custom: bool) -> dict[str, Any]:
-    """``plan_options`` for ``plan="auto"``: with a custom loss, which cannot see a head split
-    by vocabulary, planned at ``layer`` granularity (the head whole) unless set."""
-    return {"granularity": "layer", **(options or {})} if custom else dict(options or {})
-
-
 def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.Module,
-                     chain: BlockChain, pp_group: dist.ProcessGroup | None, device_mesh,
-                     device: torch.device, plan_options: dict[str, Any] | None
+                     chain: BlockChain, opts: RuntimeOptions, device: torch.device,
+                     auto: AutoOptions, custom_loss: bool
                      ) -> tuple[Groups, Plan, dict[str, str] | None]:
     """The groups, the plan and the model's tp plan (``None`` for tp 1).
 
@@ -273,12 +256,13 @@ def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.
     its sizes and tp plan checked before the mesh's collectives.
     """
     if isinstance(plan, str) and plan == "auto":
-        groups = resolve_groups(pp_group, device_mesh)
-        return groups, resolve_plan(plan, source, chain, groups, device.type, plan_options), None
-    plan_obj = resolve_plan(plan, source, chain, None, device.type, plan_options)
+        groups = resolve_groups(opts.pp_group, opts.device_mesh)
+        return groups, resolve_plan(plan, source, chain, groups, device.type, auto,
+                                    custom_loss=custom_loss), None
+    plan_obj = resolve_plan(plan, source, chain, None, device.type, auto)
     tp_plan = tp_plan_of(root, plan_obj.tp_size, sequence_parallel=plan_obj.sequence_parallel) \
         if plan_obj.tp_size > 1 else None
-    groups = resolve_groups(pp_group, device_mesh, device_type=device.type,
+    groups = resolve_groups(opts.pp_group, opts.device_mesh, device_type=device.type,
                             sizes=(plan_obj.pp_size, plan_obj.dp_size, plan_obj.tp_size))
     return groups, plan_obj, tp_plan
 

@@ -1,0 +1,62 @@
+"""``ProfileOptions``: how ``profile_model`` measures, in one typed object (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from autopart.errors import ProfileError
+
+__all__ = ["ProfileOptions"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOptions:
+    """What to measure and how (``autopart profile``'s flags); the defaults are the CLI's."""
+
+    backend: str = "cpu"
+    """``cpu``, ``cuda``, ``xla`` or ``analytical:<device>`` (a key of
+    ``profiles/devices.json``)."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    dtype: str = "float32"
+    """``float32``, ``bfloat16`` or ``float16``."""
+    num_warmup: int = 3
+    """Untimed runs per block before measuring."""
+    num_repeats: int = 10
+    """Timed runs per block (the median is kept)."""
+    layer_classes: tuple[str, ...] | None = None
+    """Class names of the repeated layers, overriding discovery."""
+    leaf_modules: tuple[str, ...] | None = None
+    """Class names never split into smaller blocks."""
+    granularity: str = "projection"
+    """The finest level to measure (``autopart.schema.parts.LEVELS``): ``projection`` (each
+    decoder layer's attention and MLP halves, each cut before its output projection where
+    that cut is exact), ``half`` or ``layer``. Identical parts are measured once."""
+    neighbours: int = 0
+    """CPU only: other processes that profile the same model while it is measured,
+    standing in for the pipeline's other ranks (``autopart profile --pp N``: ``N - 1``)."""
+
+    @classmethod
+    def of(cls, options: ProfileOptions | None = None, **fields: Any) -> ProfileOptions:
+        """``options`` with ``fields`` replaced (a new object from ``fields`` alone).
+
+        Raises:
+            ProfileError: A field that ``ProfileOptions`` does not have.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ProfileError(f"unknown profile option {unknown[0]!r}; options are "
+                               f"{', '.join(sorted(names))}")
+        for key in ("layer_classes", "leaf_modules"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        return cls(**fields) if options is None else dataclasses.replace(options, **fields)
+
+    def as_fields(self) -> dict[str, Any]:
+        """The options as keyword arguments of ``profile_model``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
