@@ -26,7 +26,7 @@ from solve_helpers import GIB, MIB, chain_of, llama_like
 
 from autopart.schedules import stage_to_rank
 from autopart.simulate import max_in_flight
-from autopart.solve import baseline_split, solve_dp, solve_ilp
+from autopart.solve import ILPLimits, baseline_split, solve_dp, solve_ilp
 from autopart.solve.dp import plan_objective
 
 _DP_TARGET_S = 1.0
@@ -64,7 +64,8 @@ def run_ilp(backend: str, limit_bytes: int, in_flight: list[int]):
     ranks = [stage_to_rank(s, pp, v, "loop") for s in range(pp * v)]
     start = time.perf_counter()
     sol = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight, num_microbatches=m,
-                    limit_bytes=limit_bytes, backend=backend, time_limit_s=_ILP_TARGET_S)
+                    limit_bytes=limit_bytes,
+                    limits=ILPLimits(backend=backend, time_limit_s=_ILP_TARGET_S))
     return time.perf_counter() - start, sol
 
 

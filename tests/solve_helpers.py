@@ -145,7 +145,7 @@ def check_ilp_against_brute_force(data, chain: Chain, limits: Sequence[int | Non
     from hypothesis import strategies as st
 
     from autopart.schedules import stage_to_rank
-    from autopart.solve import solve_ilp
+    from autopart.solve import ILPLimits, solve_ilp
 
     pp, num_virtual = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
     num_stages = pp * num_virtual
@@ -159,7 +159,8 @@ def check_ilp_against_brute_force(data, chain: Chain, limits: Sequence[int | Non
     m = data.draw(st.integers(1, 8))
     expected = brute_force_ranks(chain, ranks, in_flight, m, limit)
     sol = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight, num_microbatches=m,
-                    limit_bytes=limit, backend=data.draw(st.sampled_from(["cbc", "highs"])))
+                    limit_bytes=limit,
+                    limits=ILPLimits(data.draw(st.sampled_from(["cbc", "highs"]))))
     if expected is None:
         assert sol is None
         return None

@@ -175,3 +175,36 @@ def test_json_on_stdout_is_only_the_plan_when_the_ilp_runs(tmp_path):
          "--virtual-stages", "2", "--microbatches", "4", "--solver", "ilp", "--format", "json"],
         capture_output=True, text=True, check=True, timeout=120, cwd=tmp_path)
     assert json.loads(result.stdout)["solver"]["name"] == "ilp"
+
+
+def _cli_plan(args: list[str], tmp_path, capsys) -> str:
+    out = tmp_path / "cli.plan.json"
+    assert main(["plan", *args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    return out.read_text()
+
+
+def test_one_planning_entry_gives_byte_identical_plans(profile_path, tmp_path, capsys):
+    """The CLI, ``make_plan`` (keywords or ``PlanOptions``), ``plan_mesh`` and the options
+    ``auto_pipeline(plan="auto")`` resolves for its groups all plan the same bytes from the
+    same inputs: the memory limit and links default from the profile's device in each."""
+    from autopart.runtime.groups import Groups
+    from autopart.runtime.plan_source import AutoOptions
+    from autopart.schema import Profile
+    from autopart.solve import PlanOptions, make_plan, plan_mesh
+
+    profile = Profile.load(profile_path)
+    cli = _cli_plan([str(profile_path), "--pp", "4", "--microbatches", "8"], tmp_path, capsys)
+    assert make_plan(profile, pp_size=4, num_microbatches=8).to_json() == cli
+    assert make_plan(profile, PlanOptions(pp_size=4, num_microbatches=8)).to_json() == cli
+    groups = Groups(pp_group=None, pp_rank=0, pp_size=4, pp_global_ranks=(0, 1, 2, 3))
+    _, options = AutoOptions(plan={"num_microbatches": 8}).resolved(groups, "cpu",
+                                                                     custom_loss=False)
+    assert make_plan(profile, options).to_json() == cli
+
+    mesh = _cli_plan([str(profile_path), "--devices", "4", "--device", "h100",
+                      "--global-batch-size", "16"], tmp_path, capsys)
+    assert plan_mesh(profile, devices=4, device="h100",
+                     global_batch_size=16).plan.to_json() == mesh
+    # The device's memory limit is in force by default, not unlimited.
+    assert json.loads(mesh)["setup"]["memory_limit_bytes"] is not None

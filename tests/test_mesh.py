@@ -106,14 +106,14 @@ def test_mesh_sizes_keep_tp_within_a_node():
     assert {t for t, _, _ in meshes} == {1, 2, 4, 8}
     assert (16, 1, 1) not in meshes and (1, 16, 1) not in meshes
     assert mesh_sizes(16, 8, tp=4, num_blocks=10) == [(4, 1, 4), (4, 2, 2), (4, 4, 1)]
-    assert [d for _, _, d in mesh_sizes(16, 8, tp=8, num_blocks=10, global_batch_size=6)] \
+    assert [d for _, _, d in mesh_sizes(16, 8, tp=8, num_blocks=10, batch=(6, 1))] \
         == [2, 1]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tp": 3}, "--tp 3 does not divide --devices 16"),
     ({"tp": 16}, r"--tp 16 is larger than a node \(8 devices\)"),
-    ({"dp": 4, "global_batch_size": 6},
+    ({"dp": 4, "batch": (6, 1)},
      "--global-batch-size 6 is not divisible by --dp 4 x micro-batch size 1"),
     ({"pp": 16}, "no tp x pp x dp mesh of 16 devices"),
 ])

@@ -14,7 +14,7 @@ from solve_helpers import GIB, MIB, brute_force, chain_of, llama_like, make_bloc
 
 from autopart.errors import InfeasibleError, PlanError
 from autopart.schema import Plan
-from autopart.solve import baseline_split, make_plan, solve_dp, solve_ilp
+from autopart.solve import ILPLimits, baseline_split, make_plan, solve_dp, solve_ilp
 from autopart.solve.dp import min_fitting_limit
 
 
@@ -93,7 +93,7 @@ def test_ilp_matches_dp_with_one_stage_per_rank():
     chain = _timed_chain([3, 1, 4, 1, 5, 9, 2, 6])
     dp = _dp(chain, 3, weight=5)
     ilp = solve_ilp(chain, stage_ranks=[0, 1, 2], in_flight=[1, 1, 1], num_microbatches=6,
-                    backend="cbc")
+                    limits=ILPLimits(backend="cbc"))
     assert ilp.status == "optimal"
     assert ilp.objective_ms == pytest.approx(dp.objective_ms)
 
@@ -102,7 +102,7 @@ def test_ilp_balances_rank_sums_of_v_placement():
     """V placement puts stages 0 and 3 on rank 0: heavy ends pair with light middles."""
     chain = _timed_chain([6, 1, 1, 6])
     ilp = solve_ilp(chain, stage_ranks=[0, 1, 1, 0], in_flight=[1] * 4, num_microbatches=4,
-                    backend="highs")
+                    limits=ILPLimits(backend="highs"))
     assert ilp.bounds == ((0, 1), (1, 2), (2, 3), (3, 4))
     assert ilp.status == "optimal" and ilp.gap == 0.0
 

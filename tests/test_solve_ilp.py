@@ -26,7 +26,7 @@ from solve_helpers import (
 
 from autopart.schedules import stage_to_rank
 from autopart.schema import TrainingSetup
-from autopart.solve import solve_ilp
+from autopart.solve import ILPLimits, solve_ilp
 from autopart.solve._ilp_model import block_runs, rank_time_floor
 from autopart.solve.ilp import rank_objective
 
@@ -81,7 +81,7 @@ def test_both_backends_find_the_optimum_cbc_preprocessing_missed(backend):
     second stage (5.01 ms) optimal; no recompute (4.51 ms) is, and brute force agrees."""
     chain = _chain([1, 3])
     sol = solve_ilp(chain, stage_ranks=[0, 1], in_flight=[1, 1], num_microbatches=1,
-                    limit_bytes=1000, backend=backend)
+                    limit_bytes=1000, limits=ILPLimits(backend=backend))
     expected = brute_force_ranks(chain, [0, 1], [1, 1], 1, 1000)
     assert sol.status == "optimal" and sol.objective_ms == pytest.approx(expected)
     assert sol.recompute == (False, False)
@@ -94,7 +94,7 @@ def test_benchmark_case_is_proved_optimal(backend):
     ranks = [stage_to_rank(s, 8, 2, "loop") for s in range(16)]
     in_flight = _BENCH_IN_FLIGHT
     sol = solve_ilp(chain, stage_ranks=ranks, in_flight=in_flight, num_microbatches=16,
-                    limit_bytes=40 * GIB, backend=backend, time_limit_s=10)
+                    limit_bytes=40 * GIB, limits=ILPLimits(backend=backend, time_limit_s=10))
     assert sol.status == "optimal" and sol.gap == 0.0
     assert sol.objective_ms == pytest.approx(
         rank_objective(chain, sol.bounds, sol.recompute, ranks, 16))
@@ -110,7 +110,8 @@ def test_backends_break_ties_the_same_way(num_layers, pp, v):
     chain = chain_of(llama_like(num_layers, head_ms=1.0))
     ranks = [stage_to_rank(s, pp, v, "loop") for s in range(pp * v)]
     sols = [solve_ilp(chain, stage_ranks=ranks, in_flight=[1] * (pp * v), num_microbatches=8,
-                      backend=backend, max_nodes=10_000) for backend in ("highs", "cbc")]
+                      limits=ILPLimits(backend=backend, max_nodes=10_000))
+            for backend in ("highs", "cbc")]
     assert all(sol.status == "optimal" for sol in sols)
     assert sols[0].bounds == sols[1].bounds
     assert sols[0].objective_ms == pytest.approx(sols[1].objective_ms, rel=1e-12)
@@ -129,7 +130,7 @@ def test_a_node_limit_returns_the_incumbent_split(backend):
     chain = chain_of(make_profile(blocks), TrainingSetup(pp_size=4, num_microbatches=8))
     ranks = [s % 4 for s in range(12)]
     solution = solve_ilp(chain, stage_ranks=ranks, in_flight=[4] * 12, num_microbatches=8,
-                         backend=backend, max_nodes=1)
+                         limits=ILPLimits(backend=backend, max_nodes=1))
     assert solution is not None and solution.status == "limit"
     starts = [i for i, _ in solution.bounds]
     ends = [j for _, j in solution.bounds]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopart.cost import BlockArrays, StageCost, stage_cost
 from autopart.schedules import schedule_info, stage_to_rank
@@ -22,6 +22,9 @@ from autopart.schema import (
 from autopart.simulate import SimResult, simulate
 from autopart.simulate.replay import with_step_overhead
 from autopart.solve.cuts import shortest_names
+
+if TYPE_CHECKING:
+    from autopart.solve.records import Config
 
 __all__ = ["Evaluated", "evaluate_split", "plan_from_split"]
 
@@ -46,12 +49,14 @@ class Evaluated:
         return max(self.result.rank_peak_memory_bytes)
 
 
-def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, *, schedule: str, pp_size: int,
-                   virtual_stages: int, num_microbatches: int,
+def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, config: Config,
                    bounds: Sequence[tuple[int, int]], recompute: Sequence[bool] | None = None,
                    stage_costs: Sequence[StageCost] | None = None) -> Evaluated:
-    """Simulate the split ``bounds`` (half-open block ranges) under ``schedule``;
-    ``stage_costs``, when given, are its stages' ``stage_cost`` (from a cache)."""
+    """Simulate the split ``bounds`` (half-open block ranges) under ``config`` (a
+    ``records.Config``: schedule, pp, v, m); ``stage_costs``, when given, are its stages'
+    ``stage_cost`` (from a cache)."""
+    schedule, pp_size = config.schedule, config.pp_size
+    virtual_stages, num_microbatches = config.virtual_stages, config.num_microbatches
     flags = tuple(recompute) if recompute is not None else (False,) * len(bounds)
     costs = tuple(stage_cost(arrays, i, j - 1, r) for (i, j), r in zip(bounds, flags)
                   ) if stage_costs is None else tuple(stage_costs)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from autopart.solve._ilp_model import RunModel, rank_time_floor
 from autopart.solve.chain import Chain
 
-__all__ = ["ILPSolution", "solve_ilp"]
+__all__ = ["ILPLimits", "ILPSolution", "solve_ilp"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -45,6 +45,21 @@ _GAP_REL = 1e-9
 """Relative gap at which a solver may call its plan optimal (HiGHS defaults to 1e-4)."""
 _TIE_WEIGHT = 1e-5
 """The tie-break term's largest value, relative to the blocks' total time."""
+
+
+@dataclass(frozen=True, slots=True)
+class ILPLimits:
+    """Which solver runs the ILP and how much work it may do."""
+
+    backend: str = "auto"
+    """``auto`` (HiGHS when highspy is installed, else CBC), ``highs`` or ``cbc``."""
+    max_nodes: int | None = 100_000
+    """Branch-and-bound nodes the solver may explore: a bound on work, so the answer does
+    not depend on the machine or its load. When hit, the best split found is returned
+    with status ``limit`` and its gap."""
+    time_limit_s: float | None = None
+    """An optional wall-clock limit as well (``None``: none); a split it cuts off depends
+    on the machine's speed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +160,7 @@ def rank_objective(chain: Chain, bounds: Sequence[tuple[int, int]], recompute: S
 
 def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[int],
               num_microbatches: int, limit_bytes: float | None = None,
-              allow_recompute: bool = True, backend: str = "auto",
-              max_nodes: int | None = 100_000, time_limit_s: float | None = None
+              allow_recompute: bool = True, limits: ILPLimits = ILPLimits()
               ) -> ILPSolution | None:
     """Split ``chain`` into stages minimizing the rank-level step time (PuLP).
 
@@ -160,13 +174,7 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
         num_microbatches: ``m``.
         limit_bytes: Each rank's memory limit (``None``: unlimited).
         allow_recompute: Let a stage recompute its forward to fit the limit.
-        backend: ``auto`` (HiGHS when highspy is installed, else CBC), ``highs`` or
-            ``cbc``.
-        max_nodes: Branch-and-bound nodes the solver may explore: a bound on work,
-            so the answer does not depend on the machine or its load. When hit, the
-            best split found is returned with status ``limit`` and its gap.
-        time_limit_s: An optional wall-clock limit as well (``None``: none); a split
-            it cuts off depends on the machine's speed.
+        limits: The backend and its node and time limits (``ILPLimits``).
 
     Returns:
         The split with its recompute flags, objective, status and gap, or ``None``
@@ -180,7 +188,7 @@ def solve_ilp(chain: Chain, *, stage_ranks: Sequence[int], in_flight: Sequence[i
     num_stages = len(stage_ranks)
     if not 1 <= num_stages <= chain.num_blocks:
         raise ValueError(f"num_stages ({num_stages}) must be in 1..{chain.num_blocks}")
-    name, solver = _backend(backend, time_limit_s, max_nodes)
+    name, solver = _backend(limits.backend, limits.time_limit_s, limits.max_nodes)
     model = RunModel(chain, stage_ranks, in_flight, limit_bytes, allow_recompute)
     times = [model.stage_time(s) for s in range(num_stages)]
     min_comm = float(chain.comm_at[1:-1].min()) if chain.num_blocks > 1 else 0.0

@@ -93,8 +93,7 @@ class MeshResult:
 
 def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int | str = "auto",
                dp: int | str = "auto", num_blocks: int, num_whole_blocks: int | None = None,
-               global_batch_size: int | None = None,
-               micro_batch_size: int = 1) -> list[tuple[int, int, int]]:
+               batch: tuple[int | None, int] = (None, 1)) -> list[tuple[int, int, int]]:
     """Every (tp, pp, dp) with tp dividing the node, tp * pp * dp == devices.
 
     Args:
@@ -106,8 +105,8 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
         num_blocks: Blocks in the profile.
         num_whole_blocks: Blocks at whole layers with the head whole, what a mesh with
             tp above 1 plans (default ``num_blocks``).
-        global_batch_size: When given, dp x micro_batch_size must divide it.
-        micro_batch_size: Samples per microbatch.
+        batch: ``(global_batch_size, micro_batch_size)``: when the global batch size is
+            given, dp x micro_batch_size must divide it.
 
     Returns:
         The meshes, by tp then pp.
@@ -116,6 +115,7 @@ def mesh_sizes(devices: int, node_size: int, *, tp: int | str = "auto", pp: int 
         PlanError: A fixed size does not divide the devices, tp exceeds a node, or no
             mesh is left.
     """
+    global_batch_size, micro_batch_size = batch
     if devices < 1:
         raise PlanError(f"--devices must be >= 1, got {devices}")
     fixed = {"tp": tp, "pp": pp, "dp": dp}
@@ -193,8 +193,7 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
                         pp=opts.pp_size if opts.pp_size is not None else "auto",
                         dp=opts.dp_size, num_blocks=len(profile.blocks),
                         num_whole_blocks=len(coarsen(profile, "layer", head=False).blocks),
-                        global_batch_size=opts.global_batch_size,
-                        micro_batch_size=profile.setup.micro_batch_size)
+                        batch=(opts.global_batch_size, profile.setup.micro_batch_size))
     if shard_of is None:
         from autopart.profile.tp_shard import profile_tp_shard
 

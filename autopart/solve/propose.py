@@ -10,7 +10,7 @@ from autopart.simulate import max_in_flight
 from autopart.solve.baselines import BASELINES
 from autopart.solve.chain import Chain
 from autopart.solve.dp import solve_dp
-from autopart.solve.ilp import solve_ilp
+from autopart.solve.ilp import ILPLimits, solve_ilp
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.setting import Setting
 
@@ -113,8 +113,8 @@ def propose_ilp(setting: Setting, config: Config, options: Options,
                         num_microbatches=config.num_microbatches,
                         limit_bytes=setting.setup.memory_limit_bytes,
                         allow_recompute=_recompute_allowed(config, options),
-                        backend=options.ilp_backend, max_nodes=options.ilp_max_nodes,
-                        time_limit_s=options.ilp_time_limit_s)
+                        limits=ILPLimits(options.ilp_backend, options.ilp_max_nodes,
+                                         options.ilp_time_limit_s))
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     if ilp is None or (options.solver != "ilp" and ilp.status != "optimal"):

@@ -82,10 +82,7 @@ class Setting:
                  stage_costs: Sequence[StageCost] | None = None) -> Evaluated:
         """Simulate the split ``bounds`` (original blocks) under ``config``
         (``stage_costs``: its stages' costs when the caller has them cached)."""
-        return evaluate_split(self.arrays, self.setup, schedule=config.schedule,
-                              pp_size=config.pp_size, virtual_stages=config.virtual_stages,
-                              num_microbatches=config.num_microbatches, bounds=bounds,
-                              recompute=recompute, stage_costs=stage_costs)
+        return evaluate_split(self.arrays, self.setup, config, bounds, recompute, stage_costs)
 
 
 @dataclass(frozen=True, slots=True)
