@@ -331,3 +331,32 @@ def test_a_tp_shard_scales_every_byte_field():
         assert (block.transient_bytes, block.adopted_grad_bytes) == (500, 500)
         share = block.activation_bytes / whole.activation_bytes
         assert block.held_for_weight_bytes == round(340 * share) < 340
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_plans_only_what_the_runtime_shards(tied):
+    """Under FSDP (zero 3, dp 2) the planner keeps halves whole and the head whole, and
+    with a tied embedding and head runs no V schedule (one FSDP unit cannot span two stages
+    of one rank), as ``autopart.runtime.fsdp`` requires; asking for a split head says so."""
+    from families import tiny_config
+
+    from autopart.intake.sources import build_hf_model
+    from autopart.profile import profile_model
+    from autopart.schedules import schedule_info
+    from autopart.solve import make_plan
+
+    model = build_hf_model(tiny_config("llama", tie_word_embeddings=tied))
+    profile = profile_model(model, backend="analytical:h100", seq_len=64)
+    assert profile.model.slice_units and profile.setup.granularity == "projection"
+    free = plan_mesh(profile, devices=4, device="h100", tp_size=1, pp_size=2, dp_size=2,
+                     num_microbatches=4, refine_evals=0).plan
+    sharded = plan_mesh(profile, devices=4, device="h100", tp_size=1, pp_size=2, dp_size=2,
+                        num_microbatches=4, zero_stage=3, refine_evals=0).plan
+    assert free.zero_stage == 0 and sharded.zero_stage == 3
+    assert sharded.head_shards == 0
+    assert not any(parts and parts[-1].axis == "units" for parts in sharded.parts.values())
+    assert any("FSDP shards each block's parameters" in n for n in sharded.notes)
+    if tied:
+        assert schedule_info(sharded.schedule).style == "loop"
+    with pytest.raises(PlanError, match="cannot be sharded by FSDP"):
+        make_plan(profile, pp_size=2, dp_size=2, zero_stage=3, split_head=True)

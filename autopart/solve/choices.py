@@ -75,13 +75,28 @@ def choices(profile: Profile, request: Request) -> tuple[list[Choice], list[str]
             notes.append(f"{opts.target} cannot express cuts inside a layer or the head: "
                          f"planned at layer granularity")
         return [Choice("layer")], notes
+    fsdp = opts.zero_stage == 3 and request.setup_fields.get("dp_size", 1) > 1
     if opts.cuts is not None:
-        return [_cut_choice(profile, opts.cuts)], notes
-    shards = num_shards(profile) if _splits_head(profile) else 0
+        cut = _cut_choice(profile, opts.cuts)
+        if fsdp and (cut.slices or cut.head_shards):
+            raise PlanError(f"--cuts name slices or head shards, which FSDP (--dp-shard "
+                            f"params-*, zero 3) cannot shard; {_FSDP_REMEDY}")
+        return [cut], notes
+    shards = num_shards(profile) if _splits_head(profile) and not fsdp else 0
+    if fsdp and opts.split_head is True:
+        raise PlanError(f"a head split by vocabulary across stages cannot be sharded by FSDP "
+                        f"(--dp-shard params-*, zero 3); {_FSDP_REMEDY}")
     if opts.granularity == "auto":
-        levels = [measured] + (["slice"] if _slices(profile) and measured != "layer" else [])
+        sliced = _slices(profile) and measured != "layer"
+        levels = [measured] + (["slice"] if sliced and not fsdp else [])
+        if fsdp and (sliced or _splits_head(profile)):
+            notes.append("FSDP shards each block's parameters over dp: planned without "
+                         "slices and with the head whole (the runtime shards neither)")
     else:
         level = level_name(opts.granularity)
+        if fsdp and level == "slice":
+            raise PlanError(f"FSDP (--dp-shard params-*, zero 3) cannot shard a layer half "
+                            f"cut into slices; {_FSDP_REMEDY}")
         levels, why = [_offered(profile, level)], ""
         if levels[0] != level:
             why = (f"{level} level asked for, but {_why_not(profile, level)}: planned at "
@@ -97,6 +112,10 @@ def choices(profile: Profile, request: Request) -> tuple[list[Choice], list[str]
            for level in levels for head in heads if level != "layer" or not head
            or opts.granularity == "auto" or opts.split_head]
     return out or [Choice(levels[0])], notes
+
+
+_FSDP_REMEDY = ("plan with --head whole and without slices, or shard only the optimizer "
+                "(--dp-shard optimizer)")
 
 
 def _cut_choice(profile: Profile, cuts: Sequence[str]) -> Choice:

@@ -222,9 +222,13 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
     if opts.granularity == "auto" and opts.split_head is None:
         scan = dataclasses.replace(scan, granularity=profile.setup.granularity,
                                    split_head=bool(profile.model.head_split_rows))
+    # FSDP shards no head split across stages (autopart.runtime.fsdp): scan those meshes
+    # with the head whole.
+    fsdp_scan = dataclasses.replace(scan, split_head=False) \
+        if opts.zero_stage == 3 and opts.split_head is None else scan
     found = []
     for done, mesh in enumerate(meshes, 1):
-        found.append(plan_one(mesh, scan, scan_plan))
+        found.append(plan_one(mesh, fsdp_scan if mesh[2] > 1 else scan, scan_plan))
         if progress is not None:
             progress(done, len(meshes) + 1, "tp={} pp={} dp={}".format(*mesh))
     best_few = sorted((c for c in found if c.fits), key=_order)[:_NUM_REFINED_MESHES]

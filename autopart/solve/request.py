@@ -8,6 +8,7 @@ from typing import Any
 
 from autopart.errors import PlanError
 from autopart.profile.devices import DeviceSpec
+from autopart.schedules import SCHEDULES, schedule_info
 from autopart.schema import Profile, default_precision
 from autopart.solve.options import PlanOptions, device_of, memory_limit_of
 from autopart.solve.records import Options
@@ -80,6 +81,8 @@ def resolve_request(profile: Profile, options: PlanOptions) -> Request:
         schedule = rules.schedules_for(schedule, pp_size=options.pp_size,
                                        num_microbatches=options.num_microbatches)
         cut_kinds = rules.cut_kinds if cut_kinds is None else cut_kinds
+    if options.zero_stage == 3 and setup.get("dp_size", 1) > 1:
+        schedule = _fsdp_schedules(profile, options, schedule)
     max_nodes = options.ilp_max_nodes
     if max_nodes is None:
         # Under "auto" the ILP is a second opinion beside the DP: keep it short.
@@ -92,3 +95,25 @@ def resolve_request(profile: Profile, options: PlanOptions) -> Request:
                    memory_limit_bytes=memory_limit_of(profile, options, spec),
                    setup_fields=setup, schedule=schedule, cut_kinds=cut_kinds,
                    virtual_stages=virtual, search=search)
+
+
+def _fsdp_schedules(profile: Profile, options: PlanOptions,
+                    schedule: str | Sequence[str]) -> tuple[str, ...]:
+    """The schedules the runtime's FSDP runs (``autopart.runtime.fsdp``): not split backward
+    when parameters are gathered per microbatch (W would run after they were freed), and
+    not V placement when the embedding and head share a weight (one FSDP unit cannot span
+    the first and last stage on one rank)."""
+    names = list(SCHEDULES) if schedule == "auto" else [schedule] if isinstance(schedule, str) \
+        else list(schedule)
+    infos = [schedule_info(n) for n in names]
+    kept = tuple(i.name for i in infos
+                 if not (options.reshard_after_forward and i.split_backward)
+                 and not (profile.model.tied_embeddings and options.pp_size > 1
+                          and i.style != "loop"))
+    if not kept:
+        why = "gathering parameters per microbatch runs no split-backward schedule" \
+            if options.reshard_after_forward else \
+            "a tied embedding and head cannot be one FSDP unit in two stages of one rank"
+        raise PlanError(f"FSDP cannot run schedule(s) {', '.join(names)}: {why}; use 1f1b or "
+                        f"interleaved-1f1b, or --dp-shard optimizer")
+    return kept

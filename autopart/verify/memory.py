@@ -78,9 +78,11 @@ def _gathered_peak(pipe: Any) -> Iterator[list[int]]:
     dispatched op shows ``LiveTensors``: it is sampled after every F and backward of this
     rank's stages instead. Yields a one-element list with the figure (0 without FSDP).
     """
-    gathered = [fp for module in pipe.stage_modules for sub in module.modules()
-                if isinstance(sub, FSDPModule)
-                for group in sub._get_fsdp_state()._fsdp_param_groups
+    # ``fully_shard([a, b])`` (a block of several modules) makes each an FSDPModule with
+    # one shared state: count each state's parameters once.
+    states = {id(state): state for module in pipe.stage_modules for sub in module.modules()
+              if isinstance(sub, FSDPModule) for state in [sub._get_fsdp_state()]}
+    gathered = [fp for state in states.values() for group in state._fsdp_param_groups
                 for fp in group.fsdp_params]
     peak = [0]
     saved = []
