@@ -124,7 +124,8 @@ def _plan(profile: Profile, case: Case, tp: int, pp: int, dp_shard: str,
     zero, per_mb = DP_SHARDS[dp_shard]
     dp = case.devices // (tp * pp)
     try:
-        result = plan_mesh(profile, devices=case.devices, spec=spec, tp=tp, pp=pp, dp=dp,
+        result = plan_mesh(profile, devices=case.devices, device=spec, tp_size=tp, pp_size=pp,
+                           dp_size=dp,
                            zero_stage=zero, reshard_after_forward=per_mb,
                            global_batch_size=case.global_batch, shard_of=shard_of,
                            memory_limit_bytes=spec.memory_bytes, **SETTINGS, **kwargs)
@@ -155,7 +156,7 @@ def run_case(case: Case, search: bool) -> None:
         spec = load_device_spec("h100")
         for shard, (zero, per_mb) in DP_SHARDS.items():
             try:
-                result = plan_mesh(profile, devices=case.devices, spec=spec,
+                result = plan_mesh(profile, devices=case.devices, device=spec,
                                    zero_stage=zero, reshard_after_forward=per_mb,
                                    global_batch_size=case.global_batch, shard_of=shard_of,
                                    memory_limit_bytes=spec.memory_bytes, **SETTINGS)

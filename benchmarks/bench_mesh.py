@@ -75,7 +75,8 @@ def recipe(profile, spec, devices, tp, pp, layers, shard_of,
     if nemo and pp > 2:
         schedule, virtual = "interleaved-1f1b", layers // pp
     try:
-        result = plan_mesh(profile, devices=devices, spec=spec, tp=tp, pp=pp, dp=dp,
+        result = plan_mesh(profile, devices=devices, device=spec, tp_size=tp, pp_size=pp,
+                           dp_size=dp,
                            num_microbatches=GLOBAL_BATCH // dp, partition="even",
                            schedule=schedule, virtual_stages=virtual, shard_of=shard_of,
                            memory_limit_bytes=spec.memory_bytes, **SETTINGS)
@@ -102,7 +103,7 @@ def run_case(preset, device, devices, heads, layers, tps, pp_range, mp_range, na
                             dtype="bfloat16")
     shard_of = functools.cache(lambda tp: profile_tp_shard(profile, tp))
     start = time.perf_counter()
-    result = plan_mesh(profile, devices=devices, spec=spec, global_batch_size=GLOBAL_BATCH,
+    result = plan_mesh(profile, devices=devices, device=spec, global_batch_size=GLOBAL_BATCH,
                        shard_of=shard_of, memory_limit_bytes=spec.memory_bytes,
                        progress=_progress, **SETTINGS)
     seconds = time.perf_counter() - start

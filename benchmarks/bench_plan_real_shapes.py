@@ -28,8 +28,7 @@ def main() -> None:
                                 dtype="bfloat16")
         start = time.perf_counter()
         plan = make_plan(profile, pp_size=8, schedule="1f1b", num_microbatches=32,
-                         memory_limit_bytes=80 * 2**30, param_dtype="bfloat16",
-                         grad_dtype="bfloat16")
+                         memory_limit_bytes=80 * 2**30)
         seconds = time.perf_counter() - start
         print(f"{name:<12} {'autopart':<11} {plan.predicted_step_ms:>10.1f} {'':>9}  "
               f"{list(plan.pipeline_cuts)}  (planned in {seconds:.2f} s)")
