@@ -360,3 +360,23 @@ def test_fsdp_plans_only_what_the_runtime_shards(tied):
         assert schedule_info(sharded.schedule).style == "loop"
     with pytest.raises(PlanError, match="cannot be sharded by FSDP"):
         make_plan(profile, pp_size=2, dp_size=2, zero_stage=3, split_head=True)
+
+
+def test_a_tp_shard_at_the_profile_level_is_fused_to_the_layers_tp_plans():
+    """``shard_of`` may return a shard at the profile's own (finer) level: tp > 1 plans
+    whole layers, so the shard is fused to them rather than failing on a block count."""
+    from families import tiny_config
+
+    from autopart.intake.sources import build_hf_model
+    from autopart.profile import profile_model
+    from autopart.profile.tp_shard import profile_tp_shard
+
+    profile = profile_model(build_hf_model(tiny_config("llama")), backend="analytical:h100",
+                            seq_len=64)
+    assert profile.setup.granularity == "projection"
+    fine = plan_mesh(profile, devices=2, device="h100", tp_size=2, pp_size=1, dp_size=1,
+                     num_microbatches=2, refine_evals=0,
+                     shard_of=lambda tp: profile_tp_shard(profile, tp)).plan
+    default = plan_mesh(profile, devices=2, device="h100", tp_size=2, pp_size=1, dp_size=1,
+                        num_microbatches=2, refine_evals=0).plan
+    assert fine.tp_size == 2 and fine.to_json() == default.to_json()

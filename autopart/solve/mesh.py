@@ -208,8 +208,10 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
                  planner: Callable[[Profile, PlanOptions], Plan]) -> MeshCandidate:
         t = mesh[0]
         if t not in shards:
+            shard = shard_of(t)  # at any level: tp shards whole layers, as ``whole`` has them
+            shard = coarsen(shard, "layer", head=False) if shard is not None else None
             shards[t] = shard_profile(
-                whole, t, sequence_parallel=opts.sequence_parallel, shard=shard_of(t),
+                whole, t, sequence_parallel=opts.sequence_parallel, shard=shard,
                 bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s, latency_ms=intra.latency_ms)
         comm = tp_comm_ms_per_block(whole, t, intra.bandwidth_bytes_per_s, intra.latency_ms,
                                     opts.sequence_parallel) if t > 1 else []
