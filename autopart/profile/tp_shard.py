@@ -5,7 +5,7 @@ attention heads (query and key-value) and of the MLP's intermediate size; the
 vocabulary-parallel embedding and head hold ``1 / tp`` of the vocabulary. So the
 analytical backend estimates a shard exactly by profiling the model's HF config with
 those four sizes divided by ``tp`` (the hidden size stays whole, as the residual
-stream does). Measured profiles have no such shortcut: ``autopart.mesh_cost`` scales
+stream does). Measured profiles have no such shortcut: ``autopart.cost.mesh`` scales
 their times instead.
 """
 

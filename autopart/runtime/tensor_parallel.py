@@ -1,4 +1,4 @@
-"""Tensor parallelism inside the pipeline stages, as the planner prices it (``autopart.mesh_cost``).
+"""Tensor parallelism inside the pipeline stages, as the planner prices it (``autopart.cost.mesh``).
 
 An HF model says how its decoder layers split in ``config.base_model_tp_plan``
 (Llama: ``{"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_proj":

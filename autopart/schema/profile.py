@@ -210,7 +210,7 @@ class RuntimeOverhead:
     ``autopart calibrate --machine`` runs ``torch.distributed.pipelining`` with stages
     that compute almost nothing; what their actions still cost is the runtime's
     (``autopart.verify.machine``). The cost model adds it to every stage's F and B and
-    every step (``autopart.cost``), so block times stay the blocks' own.
+    every step (``autopart.cost.stage``), so block times stay the blocks' own.
     """
 
     fwd_action_ms: float

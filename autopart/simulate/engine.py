@@ -16,7 +16,7 @@ action starts when its rank is free and its input has arrived:
   Under 1F1B the rank also waits for a steady-state send to end before its next
   action (torch batches it with the next receive and waits on the batch).
 
-Memory per rank (DESIGN.md, ``autopart.cost``): static bytes of its stages + torch's
+Memory per rank (DESIGN.md, ``autopart.cost.stage``): static bytes of its stages + torch's
 receive buffers (``rank_cost.recv_buffer_bytes``: an activation and a gradient buffer per
 microbatch and stage) + the most bytes held at once during an action. ``F(s, mb)``
 holds ``activation_bytes`` of stage ``s`` from its start until the end of the
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.cost import StageCost, comm_ms
+from autopart.cost.rank import rank_static_bytes, recv_buffer_bytes
+from autopart.cost.stage import StageCost, comm_ms
 from autopart.errors import PlanError
-from autopart.rank_cost import rank_static_bytes, recv_buffer_bytes
 from autopart.schedules import schedule_info
 from autopart.schema import TrainingSetup
 from autopart.simulate.compiled import KINDS, compiled_plan, held_counts

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopart.cost import BlockArrays, StageCost, stage_cost
+from autopart.cost.stage import BlockArrays, StageCost, stage_cost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import (
     BaselineResult,
