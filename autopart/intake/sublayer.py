@@ -25,7 +25,7 @@ from torch import nn
 from autopart.schema.parts import Part
 
 if TYPE_CHECKING:
-    from autopart.intake.blocks import Block
+    from autopart.intake.chain import Block
 
 __all__ = ["HALF_KINDS", "layer_children", "split_halves"]
 

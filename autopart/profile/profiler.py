@@ -25,7 +25,7 @@ from torch import nn
 
 from autopart.errors import AutopartError, ProfileError
 from autopart.intake import BlockChain, LoadedModel, discover_blocks, load_model
-from autopart.intake.blocks import Block
+from autopart.intake.chain import Block
 from autopart.intake.forward import leaf_paths
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
@@ -111,7 +111,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                                seq_len)
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
-        with busy_neighbours(source, neighbours, torch.get_num_threads(), settings):
+        with busy_neighbours(source, neighbours, torch.get_num_threads(), settings,
+                             profile_model):
             load_before = load_average()
             slices = SliceChecks(model, chain) if chain.granularity != "layer" else None
             blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,

@@ -52,7 +52,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.blocks import Block
+from autopart.intake.chain import Block
 from autopart.runtime.vocab_parallel import local_rows, split_lookup, vocab_embedding, vocab_head
 
 __all__ = ["TensorParallel", "apply_tensor_parallel", "is_sharded", "local_tensor",

@@ -44,7 +44,7 @@ from autopart.schedules import SCHEDULES
 from autopart.schema import DTYPE_BYTES, Plan, Profile, setup_fields_with_precision
 from autopart.simulate import simulate_plan
 from autopart.solve.options import PlanOptions, device_of
-from autopart.solve.search import make_plan, scan_plan
+from autopart.solve.search import plan_pipeline, scan_plan
 
 __all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
 
@@ -236,7 +236,7 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
     best_few = sorted((c for c in found if c.fits), key=_order)[:_NUM_REFINED_MESHES]
     for cand in best_few:
         found[found.index(cand)] = plan_one((cand.tp_size, cand.pp_size, cand.dp_size), opts,
-                                            make_plan)
+                                            plan_pipeline)
     if progress is not None:
         progress(len(meshes) + 1, len(meshes) + 1, "local search")
     return _ranked(found, opts.devices)

@@ -26,10 +26,10 @@ from autopart.simulate.engine import (
     updated_duration_table,
 )
 from autopart.simulate.levels import level_plan
-from autopart.solve.assemble import Evaluated, evaluate_split
+from autopart.solve.assemble import evaluate_split
 from autopart.solve.baselines import baseline_split
 from autopart.solve.chain import Chain, build_chain
-from autopart.solve.records import Config
+from autopart.solve.records import Config, Evaluated
 from autopart.solve.refine import allowed_cuts, fuse_blocks
 
 __all__ = ["ConfigJudge", "PathBound", "Setting", "build_settings", "search_configs"]
