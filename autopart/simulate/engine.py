@@ -50,7 +50,6 @@ __all__ = [
     "SimResult",
     "critical_counts",
     "duration_table",
-    "peak_memory",
     "updated_duration_table",
     "run_compiled",
     "simulate",
@@ -187,15 +186,6 @@ def critical_counts(stage_costs: Sequence[StageCost], *, schedule: str, pp_size:
     with paused_gc():
         levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
         return levels.critical_counts(duration_table(stage_costs, split, setup))
-
-
-def peak_memory(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
-                virtual_stages: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per-rank peak memory of a split: ``SimResult.rank_peak_memory_bytes`` without
-    simulating the step (it follows from the orders alone). Raises ``PlanError`` as
-    ``simulate`` does."""
-    _check_costs(stage_costs, pp_size, virtual_stages)
-    return _peak_memory(stage_costs, schedule, pp_size, virtual_stages, num_microbatches)
 
 
 def _check_costs(stage_costs: Sequence[StageCost], pp_size: int, virtual_stages: int) -> None:

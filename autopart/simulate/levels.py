@@ -28,10 +28,6 @@ from autopart.simulate._compiled_arrays import compiled_arrays
 
 __all__ = ["LevelPlan", "level_plan"]
 
-_NUM_TABLES = 5
-"""Rows of the duration table per stage: F, B, W, activation send, gradient send."""
-
-
 @dataclass(frozen=True, slots=True)
 class LevelPlan:
     """The step's DAG for one (schedule, pp, v, m), nodes numbered level by level.

@@ -26,9 +26,6 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 __all__ = ["Span", "StepRecorder"]
 
-COMPUTE_KINDS = ("F", "LOSS", "B", "BW", "W")
-
-
 @dataclass(frozen=True, slots=True)
 class Span:
     """One timed call on one rank, in ms from the start of its step."""
@@ -41,11 +38,6 @@ class Span:
     """-1 for ``WAIT``."""
     start_ms: float
     end_ms: float
-
-    @property
-    def duration_ms(self) -> float:
-        """``end_ms - start_ms``."""
-        return self.end_ms - self.start_ms
 
 
 class StepRecorder:
