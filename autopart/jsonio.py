@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from autopart.errors import AutopartError, SchemaError
 
-__all__ = ["SCHEMA_VERSION", "JsonFile", "check_writable", "dump_json", "write_text"]
+__all__ = ["JsonFile", "check_writable", "dump_json", "write_text"]
 
 SCHEMA_VERSION = 1
 

@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from autopart.schema import BlockProfile, Part, Profile
 from autopart.schema.parts import LEVELS, derived_name
 
-__all__ = ["CROSSING_TENSORS", "DEFAULT_SLICES", "MAX_SHARDS", "MAX_SLICES", "at_level",
-           "coarsen", "coarsen_blocks", "cuttable", "fuse", "num_shards", "part_of", "split_head",
-           "slice_halves", "stage_ends"]
+__all__ = ["MAX_SLICES", "at_level", "coarsen", "coarsen_blocks", "fuse", "num_shards",
+           "stage_ends"]
 
 DEFAULT_SLICES = 4
 """Slices per half at the ``slice`` level: a quarter of a half is finer than the

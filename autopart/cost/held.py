@@ -24,7 +24,7 @@ import numpy as np
 
 from autopart.schema import Profile
 
-__all__ = ["HeldWhole", "held_whole"]
+__all__ = []
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,8 +53,8 @@ import dataclasses
 
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["TP_COLLECTIVES", "TP_EFFICIENCY", "gather_per_microbatch", "ring_all_gather_ms",
-           "ring_all_reduce_ms", "shard_profile", "tp_collectives", "tp_comm_ms_per_block"]
+__all__ = ["gather_per_microbatch", "ring_all_gather_ms", "ring_all_reduce_ms", "shard_profile",
+           "tp_comm_ms_per_block"]
 
 TP_EFFICIENCY = 0.9
 """Compute efficiency of a TP shard relative to the whole block (stated assumption)."""

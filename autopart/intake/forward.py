@@ -24,9 +24,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-__all__ = ["StageExit", "Substitute", "intercept", "leaf_paths", "meta_copy",
-           "meta_safe_experts", "StandIn", "model_output_tensor", "replace_leaves",
-           "structure_key"]
+__all__ = ["StageExit", "Substitute", "intercept", "leaf_paths", "meta_safe_experts", "StandIn",
+           "model_output_tensor", "replace_leaves"]
 
 Handler = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
 

@@ -34,7 +34,7 @@ from autopart.intake.chain import BlockChain
 from autopart.intake.trace import CallRecord, ForwardTrace
 from autopart.schema.parts import Part
 
-__all__ = ["split_inner"]
+__all__ = []
 
 Watch = Callable[[nn.Module, list[str], str], tuple[list[str], ForwardTrace]]
 """``watch(model, candidates, what)``: trace with ``carry=True``."""

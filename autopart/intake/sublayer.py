@@ -27,7 +27,7 @@ from autopart.schema.parts import Part
 if TYPE_CHECKING:
     from autopart.intake.chain import Block
 
-__all__ = ["HALF_KINDS", "layer_children", "split_halves"]
+__all__ = []
 
 HALF_KINDS = ("attention", "mlp")
 """Block kinds of a layer's first half (input norm, attention) and second (norm, MLP or MoE)."""

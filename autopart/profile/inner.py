@@ -23,7 +23,7 @@ from autopart.intake.forward import leaf_paths
 from autopart.profile.engines import Figures
 from autopart.schema import BlockProfile
 
-__all__ = ["capture_call", "minus_figures", "stream_bytes", "with_crossing_bytes"]
+__all__ = []
 
 
 @contextlib.contextmanager

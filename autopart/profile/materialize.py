@@ -19,7 +19,7 @@ from torch import nn
 from autopart.intake.forward import meta_safe_experts
 from autopart.intake.sources import empty_on, init_empty
 
-__all__ = ["materialize_block", "param_bytes_and_count"]
+__all__ = []
 
 _INIT_STD = 0.02
 

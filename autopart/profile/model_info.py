@@ -9,7 +9,7 @@ from autopart.intake.head_split import head_split_refusal
 from autopart.profile.slices import SliceChecks
 from autopart.schema import BlockProfile, ModelInfo
 
-__all__ = ["model_info", "model_notes"]
+__all__ = []
 
 
 def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile]) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 
 from autopart.errors import ProfileError
 
-__all__ = ["busy_neighbours"]
+__all__ = []
 
 _READY_TIMEOUT_S = 300.0
 

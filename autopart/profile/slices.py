@@ -21,7 +21,7 @@ from autopart.intake import BlockChain
 from autopart.intake.half_slices import SliceRule, check_slices, slice_rule
 from autopart.profile.tasks import on_device
 
-__all__ = ["SliceChecks"]
+__all__ = []
 
 _KINDS = ("attention", "mlp")
 

@@ -19,7 +19,7 @@ from autopart._data import data_path
 from autopart.profile.devices import parse_backend
 from autopart.schema import Profile
 
-__all__ = ["profile_tp_shard", "shard_config"]
+__all__ = ["profile_tp_shard"]
 
 _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 

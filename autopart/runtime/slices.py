@@ -32,7 +32,7 @@ from autopart.intake.half_slices import (
 )
 from autopart.schema import Part
 
-__all__ = ["Partial", "plus_partial", "run_partial", "stage_partials"]
+__all__ = []
 
 
 @dataclass(frozen=True)

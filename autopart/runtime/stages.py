@@ -68,8 +68,7 @@ from autopart.runtime.tree import Tree, prune
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["LABELS_KWARG", "ForwardStage", "build_schedule", "build_stage_modules",
-           "input_kwarg", "wrap_stages"]
+__all__ = []
 
 LABELS_KWARG = "autopart_labels"
 """Keyword under which every stage receives the labels when the head is split."""

@@ -55,8 +55,7 @@ from autopart.errors import RuntimeSetupError
 from autopart.intake.chain import Block
 from autopart.runtime.vocab_parallel import local_rows, split_lookup, vocab_embedding, vocab_head
 
-__all__ = ["TensorParallel", "apply_tensor_parallel", "is_sharded", "local_tensor",
-           "place_grads", "tp_plan_of"]
+__all__ = ["local_tensor"]
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from autopart.errors import RuntimeSetupError
 from autopart.intake.chain import Block
 
-__all__ = ["local_rows", "split_lookup", "vocab_embedding", "vocab_head"]
+__all__ = []
 
 logger = logging.getLogger(__name__)
 

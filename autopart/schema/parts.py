@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from autopart.errors import SchemaError
 
-__all__ = ["AXES", "LEVELS", "LEVEL_ALIASES", "Part", "derived_name", "level_name"]
+__all__ = ["LEVELS", "LEVEL_ALIASES", "Part", "derived_name", "level_name"]
 
 AXES = ("calls", "units", "vocab")
 """How a module's call is cut (module docstring)."""

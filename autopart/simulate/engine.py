@@ -45,16 +45,8 @@ from autopart.simulate.compiled import KINDS, compiled_plan, held_counts
 from autopart.simulate.levels import level_plan
 from autopart.simulate.orders import max_in_flight, paused_gc
 
-__all__ = [
-    "SimEvent",
-    "SimResult",
-    "critical_counts",
-    "duration_table",
-    "updated_duration_table",
-    "run_compiled",
-    "simulate",
-    "simulate_batch",
-]
+__all__ = ["SimEvent", "SimResult", "critical_counts", "duration_table", "updated_duration_table",
+           "simulate"]
 
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from autopart.simulate._compiled_arrays import compiled_arrays
 
-__all__ = ["LevelPlan", "level_plan"]
+__all__ = ["level_plan"]
 
 @dataclass(frozen=True, slots=True)
 class LevelPlan:

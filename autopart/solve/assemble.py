@@ -23,7 +23,7 @@ from autopart.simulate.replay import with_step_overhead
 from autopart.solve.cuts import shortest_names
 from autopart.solve.records import Config, Evaluated
 
-__all__ = ["evaluate_split", "plan_from_split"]
+__all__ = []
 
 
 def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, config: Config,

@@ -46,7 +46,7 @@ from autopart.simulate import simulate_plan
 from autopart.solve.options import PlanOptions, device_of
 from autopart.solve.search import plan_pipeline, scan_plan
 
-__all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
+__all__ = ["MeshCandidate", "MeshResult", "plan_mesh"]
 
 _NUM_REFINED_MESHES = 2
 """How many of the fastest meshes of the scan (one level, no local search) are planned as

@@ -9,7 +9,7 @@ from autopart.cost.stage import StageCost
 from autopart.schema import SolverInfo
 from autopart.simulate import SimResult
 
-__all__ = ["Candidate", "Config", "Evaluated", "Options"]
+__all__ = []
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from autopart.solve.refine import legal, refine_counted
 from autopart.solve.request import Request, resolve_request
 from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_configs
 
-__all__ = ["PARTITIONS", "SOLVERS", "plan_pipeline", "scan_plan"]
+__all__ = ["PARTITIONS", "SOLVERS"]
 
 PARTITIONS = ("optimal", *BASELINES)
 SOLVERS = ("auto", "dp", "ilp")

@@ -32,7 +32,7 @@ from autopart.solve.chain import Chain, build_chain
 from autopart.solve.records import Config, Evaluated
 from autopart.solve.refine import allowed_cuts, fuse_blocks
 
-__all__ = ["ConfigJudge", "PathBound", "Setting", "build_settings", "search_configs"]
+__all__ = []
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-__all__ = ["Span", "StepRecorder"]
+__all__ = []
 
 @dataclass(frozen=True, slots=True)
 class Span:
