@@ -10,7 +10,7 @@ derived from the measured block by their share of its units (``part_of``, the on
 formula that splits), since the block is a sum over them:
 
 - a half's module ``P`` sums over its KV-head groups or MLP columns
-  (``autopart.intake.half_slices``); a cut after a slice that is not the last sends three
+  (``autopart.intake.slice_rules``); a cut after a slice that is not the last sends three
   hidden states: ``P``'s input, the residual beside it and the partial sum;
 - the head's logits and loss are linear in its vocabulary rows; a cut after a shard sends
   the hidden state and two float32 values per position (running log-sum-exp, target

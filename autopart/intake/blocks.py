@@ -4,7 +4,7 @@ Candidate blocks are the repeated layers (the classes in an HF model's
 ``_no_split_modules``, the user's ``layer_classes``, or the largest ``ModuleList``
 / ``ModuleDict`` of one class) and the parameter-holding modules around them
 (token and position embeddings, final norm, head); an ``nn.Sequential``'s
-candidates are its children. ``autopart.intake.trace`` then runs the forward once
+candidates are its children. ``autopart.intake.watch`` then runs the forward once
 and keeps the candidates in the order they are called, with the arguments each
 receives; candidates that no exact pipeline cut can separate are fused into one
 block. No family's module names are written down here: they are what was seen.
@@ -31,7 +31,7 @@ from autopart.intake.chain import Block, BlockChain
 from autopart.intake.inner import split_inner
 from autopart.intake.sources import fill_meta_buffers
 from autopart.intake.sublayer import layer_children, split_halves
-from autopart.intake.trace import ForwardTrace, trace_forward
+from autopart.intake.watch import ForwardTrace, trace_forward
 from autopart.schema.parts import LEVEL_ALIASES
 
 __all__ = ["DISCOVERY_LEVELS", "discover_blocks", "example_inputs", "with_carries"]
@@ -118,7 +118,7 @@ def with_carries(model: nn.Module, chain: BlockChain) -> BlockChain:
     """``chain`` with ``trace.carries`` filled: what crosses each cut beside the next call's
     stream (``ForwardTrace.carries``), from a trace with ``carry=True`` over its calls.
 
-    A cut inside a half's module ``P`` (``autopart.intake.half_slices``) falls inside the
+    A cut inside a half's module ``P`` (``autopart.intake.slice_rules``) falls inside the
     half's block, so the residual crossing it rides along as the argument of an earlier
     call it is (the half's norm's input), as at a ``projection`` cut.
     """

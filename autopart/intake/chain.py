@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopart.intake.trace import CallRecord, ForwardTrace
+from autopart.intake.watch import CallRecord, ForwardTrace
 from autopart.schema.parts import Part
 
 __all__ = ["Block", "BlockChain"]

@@ -132,7 +132,7 @@ class StandIn:
     (same class, ``repr``, parameter and buffer shapes), so 48 equal decoder layers
     cost one meta run. A zero tensor with the shape and dtype of the first tensor
     argument is replaced by that argument itself (no allocation); values of
-    stand-ins never reach an owned block (``autopart.intake.trace`` proves this for
+    stand-ins never reach an owned block (``autopart.intake.watch`` proves this for
     every allowed cut).
     """
 

@@ -31,7 +31,7 @@ from dataclasses import replace
 from torch import nn
 
 from autopart.intake.chain import BlockChain
-from autopart.intake.trace import CallRecord, ForwardTrace
+from autopart.intake.watch import CallRecord, ForwardTrace
 from autopart.schema.parts import Part
 
 __all__ = []

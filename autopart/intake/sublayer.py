@@ -4,7 +4,7 @@ At the ``half`` level the candidates inside a decoder layer are its
 parameter-holding children (``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, ``mlp``: whatever the layer holds, in call order),
 and the layer's own code (residual adds) runs as glue between them. The trace
-(``autopart.intake.trace``) then fuses children no exact cut separates. A pre-norm
+(``autopart.intake.watch``) then fuses children no exact cut separates. A pre-norm
 residual layer ``h = h + attn(norm(h)); h = h + mlp(norm(h))`` comes out as two
 blocks: the only value crossing the cut after the attention is ``h + attn(...)``,
 the next half's own input (its reuse as the residual is substituted by identity).

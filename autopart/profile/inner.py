@@ -1,4 +1,4 @@
-"""Profile the two parts of a half split before its output projection (``quarter``).
+"""Profile the two parts of a half split before its output projection (``projection``).
 
 A split half's module ``P`` (``autopart.intake.inner``) is measured whole, as at
 ``sublayer``; its output projection ``C`` is measured alone on the arguments ``P``'s

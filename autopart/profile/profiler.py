@@ -42,7 +42,7 @@ from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.options import ProfileOptions
-from autopart.profile.slices import SliceChecks
+from autopart.profile.slice_checks import SliceChecks
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, Profile, ProfileSetup
@@ -180,7 +180,7 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     checked: set[str] = set()
     children: dict[str, tuple[_CallFigures, int]] = {}  # split P's key -> C's, stream bytes
 
-    split = dict(chain.splits)  # quarter: call of P -> call of C, measured inside P's visit
+    split = dict(chain.splits)  # projection: call of P -> call of C, measured inside P's visit
     sources = {c for cut in (chain.trace.carries if chain.trace else ()) for c in cut or ()}
     crossing: dict[Any, int] = {}  # (call, leaf) of carried values, call of C -> bytes
 

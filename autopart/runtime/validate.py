@@ -14,8 +14,8 @@ from torch import nn
 
 from autopart.errors import PlanError, RuntimeSetupError
 from autopart.intake import BlockChain
-from autopart.intake.half_slices import slice_rule
 from autopart.intake.head_split import head_split_refusal
+from autopart.intake.slice_rules import slice_rule
 from autopart.runtime.planned import DerivedPart, base_names, derived_parts
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
