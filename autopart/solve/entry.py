@@ -22,7 +22,7 @@ def make_plan(profile: Profile, options: PlanOptions | None = None, /, *,
     ``auto`` granularity loops over the levels the profile offers (its measured level,
     with the coarser ones as seeds; the ``slice`` level where halves can be cut by units)
     and over the head whole or cut by vocabulary, and keeps the fastest plan
-    (``autopart.solve.levels``).
+    (``autopart.solve.choices``).
 
     Args:
         profile: Per-block costs (``autopart profile``).
