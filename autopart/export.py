@@ -26,16 +26,7 @@ from autopart.schedules import schedule_info
 from autopart.schema import Plan, Profile
 from autopart.targets import TARGETS, planning_constraints
 
-__all__ = [
-    "FORMATS",
-    "MODULE_NAMES",
-    "export_plan",
-    "nxd_snippet",
-    "to_megatron_layout",
-    "to_module_fqns",
-    "to_nxd",
-    "to_torchtitan_fqns",
-]
+__all__ = ["FORMATS", "MODULE_NAMES", "export_plan"]
 
 FORMATS = TARGETS
 

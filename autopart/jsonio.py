@@ -19,8 +19,7 @@ from typing import Any, ClassVar
 
 from autopart.errors import AutopartError, SchemaError
 
-__all__ = ["SCHEMA_VERSION", "JsonFile", "check_writable", "dump_json", "load_json",
-           "write_text"]
+__all__ = ["JsonFile", "check_writable", "dump_json", "write_text"]
 
 SCHEMA_VERSION = 1
 
@@ -153,11 +152,6 @@ def dump_json(obj: Any) -> str:
     if dataclasses.is_dataclass(obj):
         obj = _to_plain(obj)
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
-def load_json(path: str | Path, what: str) -> dict[str, Any]:
-    """Read a JSON object from ``path``; ``what`` names the file kind in errors."""
-    return _parse_object(_read(path, what), str(path), what, f"regenerate the {what} file")
 
 
 def _parse_object(text: str, source: str, what: str, remedy: str) -> dict[str, Any]:

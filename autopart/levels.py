@@ -10,7 +10,7 @@ derived from the measured block by their share of its units (``part_of``, the on
 formula that splits), since the block is a sum over them:
 
 - a half's module ``P`` sums over its KV-head groups or MLP columns
-  (``autopart.intake.half_slices``); a cut after a slice that is not the last sends three
+  (``autopart.intake.slice_rules``); a cut after a slice that is not the last sends three
   hidden states: ``P``'s input, the residual beside it and the partial sum;
 - the head's logits and loss are linear in its vocabulary rows; a cut after a shard sends
   the hidden state and two float32 values per position (running log-sum-exp, target
@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from autopart.schema import BlockProfile, Part, Profile
 from autopart.schema.parts import LEVELS, derived_name
 
-__all__ = ["CROSSING_TENSORS", "DEFAULT_SLICES", "MAX_SHARDS", "MAX_SLICES", "at_level",
-           "coarsen", "coarsen_blocks", "cuttable", "fuse", "num_shards", "part_of", "split_head",
-           "slice_halves", "stage_ends"]
+__all__ = ["MAX_SLICES", "at_level", "coarsen", "coarsen_blocks", "fuse", "num_shards",
+           "stage_ends"]
 
 DEFAULT_SLICES = 4
 """Slices per half at the ``slice`` level: a quarter of a half is finer than the

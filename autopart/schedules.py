@@ -12,15 +12,8 @@ from dataclasses import dataclass
 
 from autopart.errors import PlanError
 
-__all__ = [
-    "SCHEDULES",
-    "ScheduleInfo",
-    "check_schedule",
-    "recompute_allowed",
-    "schedule_info",
-    "stage_to_rank",
-    "stages_of_rank",
-]
+__all__ = ["SCHEDULES", "check_schedule", "recompute_allowed", "schedule_info", "stage_to_rank",
+           "stages_of_rank"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

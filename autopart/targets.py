@@ -21,7 +21,7 @@ from autopart.errors import PlanError
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 
-__all__ = ["TARGETS", "PlanningConstraints", "planning_constraints"]
+__all__ = ["TARGETS", "planning_constraints"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

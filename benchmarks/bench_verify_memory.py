@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from autopart.cost.rank import rank_static_bytes, recv_buffer_bytes, stage_costs_of_plan
 from autopart.profile import profile_model
-from autopart.rank_cost import rank_static_bytes, recv_buffer_bytes, stage_costs_of_plan
 from autopart.solve import make_plan
 from autopart.verify import RunSettings, verify_plan
 

@@ -29,8 +29,8 @@ from autopart.verify import (
     verify_plan,
     write_comparison_trace,
 )
+from autopart.verify.comparison import save_comparison_png
 from autopart.verify.report import report_thread_mismatch
-from autopart.verify.trace import save_comparison_png
 
 from ._format import gib
 from ._progress import progress_bar

@@ -1,6 +1,6 @@
 """The memory model end to end (profile -> cost.stage_cost -> simulate), hand-worked.
 
-Every figure below is worked out from the rules in ``autopart/cost.py``: torch's
+Every figure below is worked out from the rules in ``autopart/cost/stage.py``: torch's
 receive buffers per microbatch, the stage output held until its backward (the
 logits for a causal LM's last stage), the first block's saved input living in the
 receive buffer, the workspace on top of the held activations while a stage runs,
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopart.cost import block_arrays, checkpointed, stage_cost
-from autopart.rank_cost import rank_static_bytes
+from autopart.cost.rank import rank_static_bytes
+from autopart.cost.stage import block_arrays, checkpointed, stage_cost
 from autopart.schema import (
     BlockProfile,
     ModelInfo,

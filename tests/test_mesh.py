@@ -9,9 +9,7 @@ import json
 import pytest
 from solve_helpers import llama_like, make_block, make_profile
 
-from autopart.cost import block_arrays, static_bytes_per_param
-from autopart.errors import PlanError
-from autopart.mesh_cost import (
+from autopart.cost.mesh import (
     TP_COLLECTIVES,
     TP_EFFICIENCY,
     gather_per_microbatch,
@@ -20,6 +18,8 @@ from autopart.mesh_cost import (
     shard_profile,
     tp_collectives,
 )
+from autopart.cost.stage import block_arrays, static_bytes_per_param
+from autopart.errors import PlanError
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
 from autopart.profile.tp_shard import shard_config

@@ -10,11 +10,11 @@ import pytest
 import torch
 from solve_helpers import llama_like
 
-from autopart.cost import StageCost, block_arrays, stage_cost
+from autopart.cost.rank import shared_grad_sync_ms
+from autopart.cost.stage import StageCost, block_arrays, stage_cost
 from autopart.levels import split_head
 from autopart.profile.devices import load_device_spec
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
-from autopart.rank_cost import shared_grad_sync_ms
 from autopart.schema import TrainingSetup
 from autopart.solve.choices import Choice, choice_notes
 

@@ -17,12 +17,12 @@ FAST = {"seq_len": 16, "num_warmup": 0, "num_repeats": 1}
 def test_a_module_object_cannot_have_neighbours():
     model = load_model("tiny-llama").model
     with pytest.raises(ProfileError, match="source string"):
-        with busy_neighbours(model, 1, 1, {}):
+        with busy_neighbours(model, 1, 1, {}, profile_model):
             pass
 
 
 def test_no_neighbours_runs_the_block_alone():
-    with busy_neighbours(object(), 0, 1, {}):
+    with busy_neighbours(object(), 0, 1, {}, profile_model):
         assert not multiprocessing.active_children()
 
 

@@ -18,7 +18,7 @@ from autopart.errors import RuntimeSetupError
 from autopart.intake import discover_blocks
 from autopart.intake.blocks import with_carries
 from autopart.intake.sources import build_hf_model
-from autopart.runtime.slices import stage_partials
+from autopart.runtime.partials import stage_partials
 from autopart.runtime.validate import check_parts, check_plan
 from autopart.schema import Part
 from autopart.schema.parts import derived_name

@@ -2,7 +2,7 @@
 
 Each family's tiny config is discovered at the ``half`` level (11 blocks for four
 layers: embedding, 4 x (attention half, MLP half), norm, head) and three halves are cut
-into slices (``autopart.intake.half_slices``): layer 0's MLP into 4 column groups, layer
+into slices (``autopart.intake.slice_rules``): layer 0's MLP into 4 column groups, layer
 1's attention into its 2 KV-head groups, layer 2's MLP into 2. A stage ending inside a
 half sends the module's input, the residual and its slices' partial output; the next
 adds its slices. On 2 gloo ranks the loss and every parameter gradient of one step on a

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch.distributed.pipelining.schedules  # noqa: F401  (torch's import cost at collection)
 
-from autopart.cost import StageCost
+from autopart.cost.stage import StageCost
 from autopart.errors import PlanError
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import TrainingSetup

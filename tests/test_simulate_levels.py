@@ -12,7 +12,7 @@ import torch.distributed.pipelining.schedules  # noqa: F401  (torch's import cos
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopart.cost import StageCost
+from autopart.cost.stage import StageCost
 from autopart.errors import PlanError
 from autopart.schedules import SCHEDULES, check_schedule
 from autopart.schema import TrainingSetup

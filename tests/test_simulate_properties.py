@@ -17,7 +17,7 @@ import torch.distributed.pipelining.schedules  # noqa: F401  (torch's import cos
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopart.cost import StageCost, comm_ms
+from autopart.cost.stage import StageCost, comm_ms
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import TrainingSetup
 from autopart.simulate import rank_orders, simulate

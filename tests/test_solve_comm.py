@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solve_helpers import brute_force, make_block, make_profile
 
-from autopart.cost import block_arrays, stage_cost
+from autopart.cost.stage import block_arrays, stage_cost
 from autopart.schedules import schedule_info
 from autopart.schema import TrainingSetup
 from autopart.simulate import simulate

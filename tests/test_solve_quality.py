@@ -10,7 +10,7 @@ import pytest
 import torch.distributed.pipelining.schedules  # noqa: F401  (torch's import cost at collection)
 from solve_helpers import MIB, llama_like, make_block, make_profile
 
-from autopart.cost import block_arrays, stage_cost
+from autopart.cost.stage import block_arrays, stage_cost
 from autopart.schema import Profile, TrainingSetup
 from autopart.simulate import simulate
 from autopart.simulate.compiled import compiled_plan

@@ -17,8 +17,8 @@ from autopart.simulate import simulate_plan
 from autopart.solve import make_plan
 from autopart.verify import RunReport, RunSettings, calibrate_profile
 from autopart.verify.build import build_report
+from autopart.verify.comparison import comparison_trace
 from autopart.verify.report import MeasuredMemory
-from autopart.verify.trace import comparison_trace
 from autopart.verify.worker import RankResult
 from cli.main import main
 
@@ -218,7 +218,7 @@ def test_plan_records_profile_threads(profile):
 
 def test_comparison_png_has_both_steps(plan, report, tmp_path):
     """``verify --png``: the measured median step above the simulated one, as a PNG."""
-    from autopart.verify.trace import save_comparison_png
+    from autopart.verify.comparison import save_comparison_png
 
     out = save_comparison_png(report, simulate_plan(plan), tmp_path / "cmp.png")
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

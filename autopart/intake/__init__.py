@@ -5,7 +5,7 @@ from typing import Any
 
 __all__ = ["BlockChain", "LoadedModel", "discover_blocks", "list_presets", "load_model"]
 
-_HOMES = {"BlockChain": "blocks", "discover_blocks": "blocks", "LoadedModel": "sources",
+_HOMES = {"BlockChain": "chain", "discover_blocks": "blocks", "LoadedModel": "sources",
           "list_presets": "sources", "load_model": "sources"}
 
 

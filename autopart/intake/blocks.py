@@ -4,7 +4,7 @@ Candidate blocks are the repeated layers (the classes in an HF model's
 ``_no_split_modules``, the user's ``layer_classes``, or the largest ``ModuleList``
 / ``ModuleDict`` of one class) and the parameter-holding modules around them
 (token and position embeddings, final norm, head); an ``nn.Sequential``'s
-candidates are its children. ``autopart.intake.trace`` then runs the forward once
+candidates are its children. ``autopart.intake.watch`` then runs the forward once
 and keeps the candidates in the order they are called, with the arguments each
 receives; candidates that no exact pipeline cut can separate are fused into one
 block. No family's module names are written down here: they are what was seen.
@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from autopart.errors import ModelSourceError
+from autopart.intake.chain import Block, BlockChain
 from autopart.intake.inner import split_inner
 from autopart.intake.sources import fill_meta_buffers
 from autopart.intake.sublayer import layer_children, split_halves
-from autopart.intake.trace import CallRecord, ForwardTrace, trace_forward
-from autopart.schema.parts import LEVEL_ALIASES, Part
+from autopart.intake.watch import ForwardTrace, trace_forward
+from autopart.schema.parts import LEVEL_ALIASES
 
-__all__ = ["DISCOVERY_LEVELS", "Block", "BlockChain", "discover_blocks", "example_inputs",
-           "with_carries"]
+__all__ = ["DISCOVERY_LEVELS", "discover_blocks", "example_inputs", "with_carries"]
 
 DISCOVERY_LEVELS = ("layer", "half", "projection")
 """The levels whose blocks intake finds in the forward (coarse to fine); ``slice`` parts
@@ -44,77 +44,6 @@ _LOG = logging.getLogger(__name__)
 
 TRACE_SEQ_LEN = 16
 """Sequence length of the forward autopart watches (structure only, not costs)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One unit the profiler measures and the solver places."""
-
-    name: str
-    """FQN of the last module of the block (the block's name in plans and cuts)."""
-    kind: str
-    """``embedding``, ``decoder_layer``, ``attention``, ``mlp``, ``norm``, ``head`` or ``block``."""
-    class_name: str
-    modules: tuple[str, ...] = ()
-    """Every module FQN of the block in call order (several when calls were fused)."""
-    calls: tuple[int, ...] = ()
-    """Indices of the block's calls in ``BlockChain.trace.calls``."""
-    parts: tuple[Part, ...] = ()
-    """The module calls this block is a part of, outermost first (``autopart.schema.parts``)."""
-
-    @property
-    def fqns(self) -> tuple[str, ...]:
-        """The block's module FQNs (``modules``, or just ``name``)."""
-        return self.modules or (self.name,)
-
-    @property
-    def layer(self) -> str:
-        """FQN of the decoder layer this block is a part of (empty for other blocks)."""
-        return self.parts[0].module if self.parts else ""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockChain:
-    """The blocks of a model in execution order, and how its forward calls them."""
-
-    blocks: tuple[Block, ...]
-    family: str
-    """``hf_causal_lm`` for HF causal LMs, ``sequential`` for ``nn.Sequential``, else ``traced``."""
-    tied_embeddings: bool
-    """Two blocks share a parameter (input embedding and output head)."""
-    fingerprint: str
-    layer_class_names: tuple[str, ...] = ()
-    """Class names of the repeated layers (what NxD calls ``transformer_layer_cls``)."""
-    shared_modules: tuple[str, ...] = ()
-    """Parameter-free modules outside the blocks that the forward runs on every stage."""
-    trace: ForwardTrace | None = None
-    """The watched forward: every block call with its stream and context arguments."""
-    granularity: str = "layer"
-    """The level found (``DISCOVERY_LEVELS``): ``half`` when decoder layers are split into
-    halves, ``projection`` when halves are split before their output projection too
-    (``autopart.intake.inner``), else ``layer``."""
-    notes: tuple[str, ...] = ()
-    """Why a finer granularity was asked for and layers or halves stay whole, if they do."""
-    calls: tuple[str, ...] = ()
-    """Module FQNs the forward calls, in order, where they differ from the blocks' modules
-    (``projection``: a half's module ``P`` is called, its output projection ``C`` too)."""
-    splits: tuple[tuple[int, int], ...] = ()
-    """``(call of P, call of C)`` for every half split before ``C`` (``projection``)."""
-
-    @property
-    def names(self) -> list[str]:
-        """Block names in order."""
-        return [b.name for b in self.blocks]
-
-    @property
-    def call_fqns(self) -> list[str]:
-        """Module FQNs in the order the forward calls them."""
-        return list(self.calls) or [fqn for b in self.blocks for fqn in b.fqns]
-
-    def call(self, idx: int) -> CallRecord:
-        """The record of call ``idx``."""
-        assert self.trace is not None
-        return self.trace.calls[idx]
 
 
 def discover_blocks(model: nn.Module, *, layer_classes: list[str] | None = None,
@@ -189,7 +118,7 @@ def with_carries(model: nn.Module, chain: BlockChain) -> BlockChain:
     """``chain`` with ``trace.carries`` filled: what crosses each cut beside the next call's
     stream (``ForwardTrace.carries``), from a trace with ``carry=True`` over its calls.
 
-    A cut inside a half's module ``P`` (``autopart.intake.half_slices``) falls inside the
+    A cut inside a half's module ``P`` (``autopart.intake.slice_rules``) falls inside the
     half's block, so the residual crossing it rides along as the argument of an earlier
     call it is (the half's norm's input), as at a ``projection`` cut.
     """

@@ -24,9 +24,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-__all__ = ["StageExit", "Substitute", "intercept", "leaf_paths", "meta_copy",
-           "meta_safe_experts", "StandIn", "model_output_tensor", "replace_leaves",
-           "structure_key"]
+__all__ = ["StageExit", "Substitute", "intercept", "leaf_paths", "meta_safe_experts", "StandIn",
+           "model_output_tensor", "replace_leaves"]
 
 Handler = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
 
@@ -133,7 +132,7 @@ class StandIn:
     (same class, ``repr``, parameter and buffer shapes), so 48 equal decoder layers
     cost one meta run. A zero tensor with the shape and dtype of the first tensor
     argument is replaced by that argument itself (no allocation); values of
-    stand-ins never reach an owned block (``autopart.intake.trace`` proves this for
+    stand-ins never reach an owned block (``autopart.intake.watch`` proves this for
     every allowed cut).
     """
 

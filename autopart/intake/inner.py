@@ -30,10 +30,11 @@ from dataclasses import replace
 
 from torch import nn
 
-from autopart.intake.trace import CallRecord, ForwardTrace
+from autopart.intake.chain import BlockChain
+from autopart.intake.watch import CallRecord, ForwardTrace
 from autopart.schema.parts import Part
 
-__all__ = ["split_inner"]
+__all__ = []
 
 Watch = Callable[[nn.Module, list[str], str], tuple[list[str], ForwardTrace]]
 """``watch(model, candidates, what)``: trace with ``carry=True``."""
@@ -94,8 +95,6 @@ def split_inner(model: nn.Module, chain, watch: Watch, what: str):
         The ``projection`` chain (each piece a part of ``P``'s call as well as of its
         layer's), or ``chain`` with a note when no half splits.
     """
-    from autopart.intake.blocks import BlockChain  # the chain type lives beside discovery
-
     assert isinstance(chain, BlockChain) and chain.trace is not None
     parents = dict(filter(None, (_parent(model, b.fqns) for b in chain.blocks if b.layer)))
     if not parents:

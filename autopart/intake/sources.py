@@ -29,9 +29,8 @@ from torch import nn
 from autopart._data import data_path
 from autopart.errors import ModelSourceError
 
-__all__ = ["LoadedModel", "build_hf_model", "empty_on", "fill_meta_buffers", "init_empty",
-           "list_presets", "load_hf_config", "load_model", "move_outside_blocks",
-           "params_on_meta"]
+__all__ = ["LoadedModel", "build_hf_model", "empty_on", "init_empty", "list_presets",
+           "load_model", "move_outside_blocks"]
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ At the ``half`` level the candidates inside a decoder layer are its
 parameter-holding children (``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, ``mlp``: whatever the layer holds, in call order),
 and the layer's own code (residual adds) runs as glue between them. The trace
-(``autopart.intake.trace``) then fuses children no exact cut separates. A pre-norm
+(``autopart.intake.watch``) then fuses children no exact cut separates. A pre-norm
 residual layer ``h = h + attn(norm(h)); h = h + mlp(norm(h))`` comes out as two
 blocks: the only value crossing the cut after the attention is ``h + attn(...)``,
 the next half's own input (its reuse as the residual is substituted by identity).
@@ -25,9 +25,9 @@ from torch import nn
 from autopart.schema.parts import Part
 
 if TYPE_CHECKING:
-    from autopart.intake.blocks import Block
+    from autopart.intake.chain import Block
 
-__all__ = ["HALF_KINDS", "layer_children", "split_halves"]
+__all__ = []
 
 HALF_KINDS = ("attention", "mlp")
 """Block kinds of a layer's first half (input norm, attention) and second (norm, MLP or MoE)."""

@@ -34,7 +34,7 @@ from autopart.profile.measure import TimeFigures, incoming_grad
 from autopart.profile.memory import tensor_bytes
 from autopart.profile.tasks import BlockTask
 
-__all__ = ["Roofline", "estimate_times", "flash_sdpa"]
+__all__ = []
 
 _aten = torch.ops.aten
 _NO_TRAFFIC = {_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided,

@@ -10,8 +10,7 @@ from typing import Any
 from autopart._data import data_path
 from autopart.errors import ProfileError
 
-__all__ = ["BACKENDS", "BackendName", "DeviceSpec", "LinkSpec", "list_devices",
-           "load_device_spec", "parse_backend"]
+__all__ = ["DeviceSpec", "list_devices", "load_device_spec", "parse_backend"]
 
 BACKENDS = ("cpu", "cuda", "xla")
 """The measuring backends; ``analytical:<device>`` estimates instead."""

@@ -24,7 +24,7 @@ from autopart.profile.measure import (
 from autopart.profile.memory import tensor_bytes
 from autopart.profile.tasks import BlockTask
 
-__all__ = ["AnalyticalEngine", "Figures", "MeasuringEngine", "make_engine"]
+__all__ = []
 
 _TIMES = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
 _MEMORY = ("activation_bytes", "output_bytes", "transient_bytes")

@@ -20,7 +20,7 @@ import torch
 from autopart.profile.devices import DeviceSpec
 from autopart.schema import DTYPE_BYTES
 
-__all__ = ["estimate_head_grad_ms", "measure_head_grad_ms"]
+__all__ = []
 
 
 def estimate_head_grad_ms(num_values: int, spec: DeviceSpec, dtype: str) -> float:

@@ -1,4 +1,4 @@
-"""Profile the two parts of a half split before its output projection (``quarter``).
+"""Profile the two parts of a half split before its output projection (``projection``).
 
 A split half's module ``P`` (``autopart.intake.inner``) is measured whole, as at
 ``sublayer``; its output projection ``C`` is measured alone on the arguments ``P``'s
@@ -23,7 +23,7 @@ from autopart.intake.forward import leaf_paths
 from autopart.profile.engines import Figures
 from autopart.schema import BlockProfile
 
-__all__ = ["capture_call", "minus_figures", "stream_bytes", "with_crossing_bytes"]
+__all__ = []
 
 
 @contextlib.contextmanager

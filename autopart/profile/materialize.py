@@ -19,7 +19,7 @@ from torch import nn
 from autopart.intake.forward import meta_safe_experts
 from autopart.intake.sources import empty_on, init_empty
 
-__all__ = ["materialize_block", "module_bytes", "param_bytes_and_count"]
+__all__ = []
 
 _INIT_STD = 0.02
 
@@ -60,13 +60,6 @@ def param_bytes_and_count(module: nn.Module) -> tuple[int, int]:
     """Bytes and number of the parameters of ``module`` (each shared parameter once)."""
     params = list(module.parameters())
     return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
-
-
-def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the parameters of ``module`` once cast to ``dtype`` (floating ones only)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() * (size if p.is_floating_point() else p.element_size())
-               for p in module.parameters())
 
 
 def _generic_init(block: nn.Module, *, zero_buffers: bool) -> None:

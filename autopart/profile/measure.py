@@ -33,8 +33,7 @@ from autopart.profile.backends import Backend
 from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
 from autopart.profile.tasks import BlockTask
 
-__all__ = ["NOISE_SPREAD", "MemoryFigures", "TimeFigures", "agree", "incoming_grad", "without_last",
-           "measure_times", "measure_times_clean", "memory_pass"]
+__all__ = []
 
 NOISE_SPREAD = 0.2
 """A measurement whose F or full-backward repeats spread more than this ((p75 - p25) /

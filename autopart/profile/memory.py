@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveTensors", "SavedTensors", "storage_key", "tensor_bytes"]
+__all__ = ["LiveTensors", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int | None:

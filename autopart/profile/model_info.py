@@ -6,10 +6,10 @@ from torch import nn
 
 from autopart.intake import BlockChain, LoadedModel
 from autopart.intake.head_split import head_split_refusal
-from autopart.profile.slices import SliceChecks
+from autopart.profile.slice_checks import SliceChecks
 from autopart.schema import BlockProfile, ModelInfo
 
-__all__ = ["model_info", "model_notes"]
+__all__ = []
 
 
 def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile]) -> list[str]:

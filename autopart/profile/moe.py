@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["expert_counter"]
+__all__ = []
 
 _NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 

@@ -12,7 +12,7 @@ other ranks will. The neighbours' figures are thrown away.
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,14 +20,14 @@ import torch
 
 from autopart.errors import ProfileError
 
-__all__ = ["busy_neighbours"]
+__all__ = []
 
 _READY_TIMEOUT_S = 300.0
 
 
 @contextmanager
-def busy_neighbours(source: Any, count: int, num_threads: int,
-                    settings: dict[str, Any]) -> Iterator[None]:
+def busy_neighbours(source: Any, count: int, num_threads: int, settings: dict[str, Any],
+                    work: Callable[..., Any]) -> Iterator[None]:
     """Run ``count`` neighbour processes profiling ``source`` until the block exits.
 
     Args:
@@ -35,7 +35,9 @@ def busy_neighbours(source: Any, count: int, num_threads: int,
             each neighbour builds its own copy.
         count: Neighbours to start (0: none, the block runs alone).
         num_threads: torch threads of each neighbour.
-        settings: Keyword arguments of ``profile_model`` (shape, dtype, repeats...).
+        settings: Keyword arguments of ``work`` (shape, dtype, repeats...).
+        work: What each neighbour runs over and over, ``work(loaded_model, **settings)``
+            (``profile_model``; a module-level function, since neighbours are spawned).
 
     Raises:
         ProfileError: ``source`` is not a string, or a neighbour failed to start.
@@ -50,7 +52,7 @@ def busy_neighbours(source: Any, count: int, num_threads: int,
     ctx = mp.get_context("spawn")
     stop, ready = ctx.Event(), [ctx.Event() for _ in range(count)]
     procs = [ctx.Process(target=_neighbour_main, daemon=True,
-                         args=(source, num_threads, settings, stop, flag)) for flag in ready]
+                         args=(source, num_threads, settings, work, stop, flag)) for flag in ready]
     try:
         for proc in procs:
             proc.start()
@@ -69,13 +71,12 @@ def busy_neighbours(source: Any, count: int, num_threads: int,
 
 
 def _neighbour_main(source: str, num_threads: int, settings: dict[str, Any],
-                    stop: Any, ready: Any) -> None:
+                    work: Callable[..., Any], stop: Any, ready: Any) -> None:
     """A neighbour: build the model, say so, then profile it over and over until stopped."""
     from autopart.intake import load_model
-    from autopart.profile.profiler import profile_model
 
     torch.set_num_threads(num_threads)
     loaded = load_model(source)
     ready.set()
     while not stop.is_set():
-        profile_model(loaded, **settings)
+        work(loaded, **settings)

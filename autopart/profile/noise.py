@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from autopart.profile.measure import TimeFigures, agree
 
-__all__ = ["load_average", "recheck"]
+__all__ = []
 
 T = TypeVar("T")
 

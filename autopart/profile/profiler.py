@@ -25,7 +25,7 @@ from torch import nn
 
 from autopart.errors import AutopartError, ProfileError
 from autopart.intake import BlockChain, LoadedModel, discover_blocks, load_model
-from autopart.intake.blocks import Block
+from autopart.intake.chain import Block
 from autopart.intake.forward import leaf_paths
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
@@ -42,7 +42,7 @@ from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.options import ProfileOptions
-from autopart.profile.slices import SliceChecks
+from autopart.profile.slice_checks import SliceChecks
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, Profile, ProfileSetup
@@ -111,7 +111,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                                seq_len)
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
-        with busy_neighbours(source, neighbours, torch.get_num_threads(), settings):
+        with busy_neighbours(source, neighbours, torch.get_num_threads(), settings,
+                             profile_model):
             load_before = load_average()
             slices = SliceChecks(model, chain) if chain.granularity != "layer" else None
             blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
@@ -179,7 +180,7 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
     checked: set[str] = set()
     children: dict[str, tuple[_CallFigures, int]] = {}  # split P's key -> C's, stream bytes
 
-    split = dict(chain.splits)  # quarter: call of P -> call of C, measured inside P's visit
+    split = dict(chain.splits)  # projection: call of P -> call of C, measured inside P's visit
     sources = {c for cut in (chain.trace.carries if chain.trace else ()) for c in cut or ()}
     crossing: dict[Any, int] = {}  # (call, leaf) of carried values, call of C -> bytes
 

@@ -29,7 +29,7 @@ from autopart.intake.blocks import example_inputs
 from autopart.intake.forward import intercept, leaf_paths, replace_leaves
 from autopart.intake.hf import causal_lm_loss
 
-__all__ = ["BlockTask", "ForwardRunner", "make_task", "on_device"]
+__all__ = []
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ attention heads (query and key-value) and of the MLP's intermediate size; the
 vocabulary-parallel embedding and head hold ``1 / tp`` of the vocabulary. So the
 analytical backend estimates a shard exactly by profiling the model's HF config with
 those four sizes divided by ``tp`` (the hidden size stays whole, as the residual
-stream does). Measured profiles have no such shortcut: ``autopart.mesh_cost`` scales
+stream does). Measured profiles have no such shortcut: ``autopart.cost.mesh`` scales
 their times instead.
 """
 
@@ -19,7 +19,7 @@ from autopart._data import data_path
 from autopart.profile.devices import parse_backend
 from autopart.schema import Profile
 
-__all__ = ["profile_tp_shard", "shard_config"]
+__all__ = ["profile_tp_shard"]
 
 _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 

@@ -8,7 +8,7 @@ from autopart.errors import ProfileError
 from autopart.intake import BlockChain, LoadedModel
 from autopart.profile.devices import load_device_spec, parse_backend
 
-__all__ = ["TORCH_DTYPES", "check_settings", "check_shapes"]
+__all__ = []
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -45,7 +45,7 @@ from autopart.schedules import schedule_info, stages_of_rank
 from autopart.schema import Plan, StagePlan
 from autopart.solve.options import PlanOptions
 
-__all__ = ["auto_pipeline", "tied_parameters"]
+__all__ = ["auto_pipeline"]
 
 logger = logging.getLogger(__name__)
 

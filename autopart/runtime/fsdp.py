@@ -37,7 +37,7 @@ from autopart.runtime.planned import base_names
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan, TrainingSetup
 
-__all__ = ["apply_fsdp", "check_fsdp", "mixed_precision"]
+__all__ = []
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.tensor_parallel import local_tensor
 
-__all__ = ["Groups", "all_reduce_grads", "resolve_groups"]
+__all__ = []
 
 _MESH_DIMS = ("pp", "dp", "tp")
 

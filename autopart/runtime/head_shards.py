@@ -40,8 +40,7 @@ import torch.nn.functional as F
 
 from autopart.intake.hf import IGNORE_INDEX
 
-__all__ = ["HeadCarry", "fold_carries", "gather_carries", "head_rows", "shard_carry", "slice_carry",
-           "summed_loss", "token_losses"]
+__all__ = []
 
 HeadCarry = tuple[torch.Tensor, torch.Tensor]
 """``(lse, target)``, each float32 of shape ``[batch, positions]`` (``seq - 1`` when the

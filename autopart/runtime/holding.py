@@ -24,7 +24,7 @@ from autopart.runtime.tensor_parallel import local_tensor
 from autopart.runtime.tree import prune
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["materialize_rank", "share_across_ranks", "tied_parameters"]
+__all__ = []
 
 
 def tied_parameters(root: nn.Module, chain: BlockChain) -> list[tuple[str, str]]:

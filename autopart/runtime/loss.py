@@ -41,8 +41,7 @@ from autopart.runtime.head_shards import (
     token_losses,
 )
 
-__all__ = ["CausalLMLoss", "LogitsLoss", "TokenLossesLoss", "TokenMeanLoss",
-           "VocabParallelLoss"]
+__all__ = ["CausalLMLoss"]
 
 
 class CausalLMLoss:

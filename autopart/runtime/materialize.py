@@ -21,7 +21,7 @@ from torch import nn
 from autopart.errors import RuntimeSetupError
 from autopart.intake.sources import empty_on, init_empty
 
-__all__ = ["SafetensorsReader", "materialize_blocks"]
+__all__ = []
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import local_tensor, place_grads
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["PipelinedModel", "TiedWeight"]
+__all__ = ["PipelinedModel"]
 
 
 def _split_groups(grad: torch.Tensor) -> tuple:

@@ -25,7 +25,7 @@ from autopart.runtime.groups import Groups
 from autopart.schema import Plan
 from autopart.solve.options import PlanOptions
 
-__all__ = ["AutoOptions", "resolve_plan"]
+__all__ = []
 
 logger = logging.getLogger(__name__)
 

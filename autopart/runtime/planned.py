@@ -17,7 +17,7 @@ from autopart.errors import RuntimeSetupError
 from autopart.intake import BlockChain
 from autopart.schema import Part, Plan
 
-__all__ = ["DerivedPart", "base_names", "chain_level", "derived_parts"]
+__all__ = []
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ FQNs and runs the **model's own forward** for every microbatch, with
 * the stage's first block gets the tensors received from the previous stage in
   place of its stream arguments (``layer(h, h)`` gets the one tensor twice);
 * the stage's blocks run for real (its layers checkpointed when the plan says so,
-  by the cost model's rule ``autopart.cost.checkpointed``);
+  by the cost model's rule ``autopart.cost.stage.checkpointed``);
 * the first block after the stage stops the forward, and its stream arguments
   are what the stage sends on. The last stage returns the model's output (HF:
   the logits).
@@ -21,7 +21,7 @@ sends the head's input on with the running (log-sum-exp, target logit) values
 model's forward; the last shard stage returns per-position losses.
 
 A stage may start or end inside a half's module ``P`` cut by units into slices
-(``model.layers.3.mlp.slice1of4``, ``autopart.runtime.slices``): ending inside, it
+(``model.layers.3.mlp.slice1of4``, ``autopart.runtime.partials``): ending inside, it
 computes ``P`` from its slices' units at ``P``'s call and sends ``P``'s input, the
 residual and that partial output; starting inside, its first call is ``P``'s, whose
 whole output is the received partial plus its own.
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from autopart.cost import checkpointed
+from autopart.cost.stage import checkpointed
 from autopart.intake import BlockChain
 from autopart.intake.forward import (
     StageExit,
@@ -59,17 +59,16 @@ from autopart.intake.forward import (
     leaf_paths,
     model_output_tensor,
 )
-from autopart.intake.half_slices import main_output
 from autopart.intake.head_split import vocab_range
+from autopart.intake.slice_rules import main_output
 from autopart.runtime.head_shards import HeadCarry, shard_carry, token_losses
+from autopart.runtime.partials import Partial, plus_partial, run_partial, stage_partials
 from autopart.runtime.planned import DerivedPart, base_names, derived_parts
-from autopart.runtime.slices import Partial, plus_partial, run_partial, stage_partials
 from autopart.runtime.tree import Tree, prune
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
-__all__ = ["LABELS_KWARG", "ForwardStage", "build_schedule", "build_stage_modules",
-           "input_kwarg", "wrap_stages"]
+__all__ = []
 
 LABELS_KWARG = "autopart_labels"
 """Keyword under which every stage receives the labels when the head is split."""
@@ -99,7 +98,7 @@ class ForwardStage(Tree):
         object.__setattr__(self, "_root", root)  # the skeleton: not a submodule of the stage
         self.config = getattr(root, "config", None)
         self._calls = chain.call_fqns
-        # a stage may start and/or end inside a half's module P (``autopart.runtime.slices``)
+        # a stage may start and/or end inside a half's module P (``autopart.runtime.partials``)
         partials = stage_partials(root, chain, [d.part for d in derived if d.part.axis == "units"])
         self._partials = {p.call: p for p in partials}
         starts = [p.call for p in partials if p.starts_inside]
@@ -116,7 +115,7 @@ class ForwardStage(Tree):
                          if not self._first_call <= i <= max(last, self._first_call)]
         self._in_slots = chain.call(self._first_call).stream
         self._out_slots = None if self.is_last else chain.call(self._end_call).stream
-        # values crossing a cut beside the next call's stream (``quarter``: the residual),
+        # values crossing a cut beside the next call's stream (``projection``: the residual),
         # each the ``leaf``-th argument of an earlier call: {call: [(index, leaf), ...]}
         self._num_in = chain.call(self._first_call).num_stream
         self._carry_in = _carried(chain, self._first_call)
@@ -140,7 +139,7 @@ class ForwardStage(Tree):
             module = root.get_submodule(self._calls[idx])  # meta copies before TP / FSDP
             if any(not t.is_meta for t in module.parameters()):
                 self._stand_ins[idx] = StandIn(module, self._shapes).prepare()
-        # The cost model's rule (autopart.cost.checkpointed): layers only. A split half's
+        # The cost model's rule (autopart.cost.stage.checkpointed): layers only. A split half's
         # module P is checkpointed with its C inside (C then not again); when C starts the
         # next stage, P runs until C in a checkpoint of its own (``_until``).
         self._checkpointed = ({c for b in blocks if checkpointed(b.kind) for c in b.calls}

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside the pipeline stages, as the planner prices it (``autopart.mesh_cost``).
+"""Tensor parallelism inside the pipeline stages, as the planner prices it (``autopart.cost.mesh``).
 
 An HF model says how its decoder layers split in ``config.base_model_tp_plan``
 (Llama: ``{"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_proj":
@@ -52,11 +52,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.blocks import Block
+from autopart.intake.chain import Block
 from autopart.runtime.vocab_parallel import local_rows, split_lookup, vocab_embedding, vocab_head
 
-__all__ = ["TensorParallel", "apply_tensor_parallel", "is_sharded", "local_tensor",
-           "place_grads", "tp_plan_of"]
+__all__ = ["local_tensor"]
 
 logger = logging.getLogger(__name__)
 

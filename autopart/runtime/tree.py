@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["Tree", "prune"]
+__all__ = []
 
 
 class Tree(nn.Module):

@@ -14,13 +14,13 @@ from torch import nn
 
 from autopart.errors import PlanError, RuntimeSetupError
 from autopart.intake import BlockChain
-from autopart.intake.half_slices import slice_rule
 from autopart.intake.head_split import head_split_refusal
+from autopart.intake.slice_rules import slice_rule
 from autopart.runtime.planned import DerivedPart, base_names, derived_parts
 from autopart.schedules import check_schedule, schedule_info, stage_to_rank
 from autopart.schema import Plan
 
-__all__ = ["check_model", "check_parts", "check_plan", "recompute_rule", "thread_mismatch"]
+__all__ = ["thread_mismatch"]
 
 
 def thread_mismatch(profile_threads: int, rank_threads: int, *, pp_size: int,

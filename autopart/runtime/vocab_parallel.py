@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.blocks import Block
+from autopart.intake.chain import Block
 
-__all__ = ["local_rows", "split_lookup", "vocab_embedding", "vocab_head"]
+__all__ = []
 
 logger = logging.getLogger(__name__)
 

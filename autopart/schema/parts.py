@@ -18,7 +18,7 @@ Three axes:
   running log-sum-exp. Derived by vocabulary fraction.
 
 A module cut along ``units`` or ``vocab`` is held whole by every rank holding one of its
-parts, and its gradient is summed over them (``autopart.cost``).
+parts, and its gradient is summed over them (``autopart.cost.stage``).
 
 The **levels** (``LEVELS``) are one ordered list of the sequential cuts a plan may use:
 ``layer`` (whole decoder layers), ``half`` (their attention and MLP halves),
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from autopart.errors import SchemaError
 
-__all__ = ["AXES", "LEVELS", "LEVEL_ALIASES", "Part", "derived_name", "level_name"]
+__all__ = ["LEVELS", "LEVEL_ALIASES", "Part", "derived_name", "level_name"]
 
 AXES = ("calls", "units", "vocab")
 """How a module's call is cut (module docstring)."""

@@ -153,7 +153,7 @@ def default_precision(dtype: str) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HeldModule:
-    """A module a stage holds whole while holding only part of it (``autopart.held``)."""
+    """A module a stage holds whole while holding only part of it (``autopart.cost.held``)."""
 
     module: str
     """The module (a half's main module, the head; the head also for a tied weight)."""
@@ -193,10 +193,10 @@ class StagePlan:
     rank holds each once, the ranks holding one sum its gradient after the step."""
     held_for_weight_bytes: int = 0
     """Zero-bubble schedules: bytes a microbatch holds from its B until its W on top of
-    ``activation_bytes`` (``autopart.cost.StageCost``; 0 in plans written before it)."""
+    ``activation_bytes`` (``autopart.cost.stage.StageCost``; 0 in plans written before it)."""
     adopted_grad_bytes: int = 0
     """The part of ``transient_bytes`` that is weight gradients, paid only by backwards
-    after the stage's first in a step (``autopart.cost.StageCost``; 0 in plans written
+    after the stage's first in a step (``autopart.cost.stage.StageCost``; 0 in plans written
     before it)."""
 
 
@@ -308,7 +308,7 @@ class Plan(JsonFile):
     """With ``tp_size`` above 1: the residual stream between the split layers is sharded
     along the sequence (Megatron's sequence parallelism; the norms run on the shards and
     a pipeline cut sends one shard per tp rank), as the plan was priced
-    (``autopart.mesh_cost``). Plans written before this key planned with it on."""
+    (``autopart.cost.mesh``). Plans written before this key planned with it on."""
     dp_size: int = 1
     """Data-parallel replicas of the whole pipeline; the mesh is tp x pp x dp devices."""
     zero_stage: int = 0

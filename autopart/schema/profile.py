@@ -135,7 +135,7 @@ class ModelInfo:
     slice_units: dict[str, int] = field(default_factory=dict)
     """Per half kind (``attention``, ``mlp``), the units its halves' modules sum over (KV
     heads, MLP columns) when every half of that kind can be cut inside its call, checked
-    on the profiling backend (``autopart.intake.half_slices``); planning at the ``slice``
+    on the profiling backend (``autopart.intake.slice_rules``); planning at the ``slice``
     level cuts such halves into parts along ``units`` (``<module>.slice<i>of<k>``)."""
     slice_modules: dict[str, str] = field(default_factory=dict)
     """Per kind in ``slice_units``, the module each half of that kind sums over units, by
@@ -210,7 +210,7 @@ class RuntimeOverhead:
     ``autopart calibrate --machine`` runs ``torch.distributed.pipelining`` with stages
     that compute almost nothing; what their actions still cost is the runtime's
     (``autopart.verify.machine``). The cost model adds it to every stage's F and B and
-    every step (``autopart.cost``), so block times stay the blocks' own.
+    every step (``autopart.cost.stage``), so block times stay the blocks' own.
     """
 
     fwd_action_ms: float

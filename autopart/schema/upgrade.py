@@ -12,7 +12,7 @@ from typing import Any
 
 from autopart.schema.parts import LEVEL_ALIASES
 
-__all__ = ["plan_from_v1", "profile_from_v1"]
+__all__ = []
 
 _DERIVED = re.compile(r"^(?P<module>.+)\.(?P<what>shard|slice)(?P<idx>\d+)of(?P<num>\d+)$")
 _HALF_INDEX = {"attention": 0, "mlp": 1}

@@ -5,10 +5,10 @@ actions, ``simulate`` runs them as events, ``chrome_trace`` / ``render_timeline`
 show the result.
 """
 
+from autopart.simulate.chrome_trace import chrome_trace, render_timeline, write_trace
 from autopart.simulate.engine import SimEvent, SimResult, simulate
 from autopart.simulate.orders import Action, max_in_flight, rank_orders
 from autopart.simulate.replay import simulate_plan, with_step_overhead
-from autopart.simulate.trace import chrome_trace, render_timeline, write_trace
 
 # Public entry points of the simulate phase.
 __all__ = [

@@ -17,7 +17,7 @@ import numpy as np
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.simulate.orders import action_arrays
 
-__all__ = ["COLUMNS", "compiled_arrays"]
+__all__ = []
 
 COLUMNS = ("kind", "stage", "mb", "dep", "local1", "local2", "send", "table", "dst", "flush")
 """One column per field: kind index (F 0, B 1, W 2), stage, microbatch, the dependency

@@ -17,7 +17,7 @@ from autopart.schedules import schedule_info, stage_to_rank, stages_of_rank
 from autopart.simulate._compiled_arrays import compiled_arrays
 from autopart.simulate.orders import action_groups
 
-__all__ = ["ACT", "BDONE", "GRAD", "KINDS", "compile_action", "compiled_plan", "held_counts"]
+__all__ = []
 
 KINDS = ("F", "B", "W")
 ACT, GRAD, BDONE = 0, 1, 2

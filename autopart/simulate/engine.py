@@ -16,7 +16,7 @@ action starts when its rank is free and its input has arrived:
   Under 1F1B the rank also waits for a steady-state send to end before its next
   action (torch batches it with the next receive and waits on the batch).
 
-Memory per rank (DESIGN.md, ``autopart.cost``): static bytes of its stages + torch's
+Memory per rank (DESIGN.md, ``autopart.cost.stage``): static bytes of its stages + torch's
 receive buffers (``rank_cost.recv_buffer_bytes``: an activation and a gradient buffer per
 microbatch and stage) + the most bytes held at once during an action. ``F(s, mb)``
 holds ``activation_bytes`` of stage ``s`` from its start until the end of the
@@ -36,26 +36,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.cost import StageCost, comm_ms
+from autopart.cost.rank import rank_static_bytes, recv_buffer_bytes
+from autopart.cost.stage import StageCost, comm_ms
 from autopart.errors import PlanError
-from autopart.rank_cost import rank_static_bytes, recv_buffer_bytes
 from autopart.schedules import schedule_info
 from autopart.schema import TrainingSetup
 from autopart.simulate.compiled import KINDS, compiled_plan, held_counts
 from autopart.simulate.levels import level_plan
 from autopart.simulate.orders import max_in_flight, paused_gc
 
-__all__ = [
-    "SimEvent",
-    "SimResult",
-    "critical_counts",
-    "duration_table",
-    "peak_memory",
-    "updated_duration_table",
-    "run_compiled",
-    "simulate",
-    "simulate_batch",
-]
+__all__ = ["SimEvent", "SimResult", "critical_counts", "duration_table", "updated_duration_table",
+           "simulate"]
 
 
 
@@ -187,15 +178,6 @@ def critical_counts(stage_costs: Sequence[StageCost], *, schedule: str, pp_size:
     with paused_gc():
         levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
         return levels.critical_counts(duration_table(stage_costs, split, setup))
-
-
-def peak_memory(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
-                virtual_stages: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per-rank peak memory of a split: ``SimResult.rank_peak_memory_bytes`` without
-    simulating the step (it follows from the orders alone). Raises ``PlanError`` as
-    ``simulate`` does."""
-    _check_costs(stage_costs, pp_size, virtual_stages)
-    return _peak_memory(stage_costs, schedule, pp_size, virtual_stages, num_microbatches)
 
 
 def _check_costs(stage_costs: Sequence[StageCost], pp_size: int, virtual_stages: int) -> None:

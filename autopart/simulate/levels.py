@@ -26,11 +26,7 @@ import numpy as np
 
 from autopart.simulate._compiled_arrays import compiled_arrays
 
-__all__ = ["LevelPlan", "level_plan"]
-
-_NUM_TABLES = 5
-"""Rows of the duration table per stage: F, B, W, activation send, gradient send."""
-
+__all__ = ["level_plan"]
 
 @dataclass(frozen=True, slots=True)
 class LevelPlan:

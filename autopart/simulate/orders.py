@@ -23,8 +23,7 @@ from autopart.errors import PlanError
 from autopart.schedules import check_schedule, schedule_info
 from autopart.simulate._torch_orders import Group, torch_groups
 
-__all__ = ["Action", "action_arrays", "action_groups", "max_in_flight", "paused_gc",
-           "rank_orders"]
+__all__ = ["Action", "max_in_flight", "rank_orders"]
 
 _KIND = {"F": 0, "B": 1, "W": 2}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from autopart.errors import AutopartError
 from autopart.simulate.engine import SimEvent
 
-__all__ = ["COLORS", "PlotError", "require_matplotlib", "save_timeline_png"]
+__all__ = ["require_matplotlib", "save_timeline_png"]
 
 COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B", "WAIT": "#D0D0D0"}
 """Fill colour per action kind (a full backward is drawn as ``B``)."""

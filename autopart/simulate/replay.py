@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from autopart.cost import StageCost
-from autopart.rank_cost import shared_grad_sync_ms, stage_costs_of_plan, step_overhead_ms
+from autopart.cost.rank import shared_grad_sync_ms, stage_costs_of_plan, step_overhead_ms
+from autopart.cost.stage import StageCost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import Plan, TrainingSetup
 from autopart.simulate.engine import SimResult, simulate

@@ -9,10 +9,11 @@ and ``baseline_split`` are public for tools and benchmarks that want one piece;
 
 from autopart.solve.baselines import baseline_split
 from autopart.solve.dp import solve_dp
+from autopart.solve.entry import make_plan
 from autopart.solve.ilp import ILPLimits, solve_ilp
 from autopart.solve.mesh import plan_mesh
 from autopart.solve.options import PlanOptions
-from autopart.solve.search import PARTITIONS, SOLVERS, make_plan
+from autopart.solve.search import PARTITIONS, SOLVERS
 
 # Public entry points of the solve phase; everything else is internal.
 __all__ = ["PARTITIONS", "SOLVERS", "PlanOptions", "baseline_split", "make_plan", "plan_mesh",

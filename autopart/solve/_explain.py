@@ -8,9 +8,8 @@ from autopart.errors import InfeasibleError
 from autopart.schedules import recompute_allowed, schedule_info, stage_to_rank
 from autopart.schema import Profile
 from autopart.simulate import max_in_flight
-from autopart.solve.assemble import Evaluated
 from autopart.solve.dp import min_fitting_limit
-from autopart.solve.records import Candidate, Config, Options
+from autopart.solve.records import Candidate, Config, Evaluated, Options
 from autopart.solve.setting import Setting
 
 _GIB = float(1 << 30)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from autopart.cost import BlockArrays, StageCost, stage_cost
+from autopart.cost.stage import BlockArrays, StageCost, stage_cost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import (
     BaselineResult,
@@ -19,34 +18,12 @@ from autopart.schema import (
     StagePlan,
     TrainingSetup,
 )
-from autopart.simulate import SimResult, simulate
+from autopart.simulate import simulate
 from autopart.simulate.replay import with_step_overhead
 from autopart.solve.cuts import shortest_names
+from autopart.solve.records import Config, Evaluated
 
-if TYPE_CHECKING:
-    from autopart.solve.records import Config
-
-__all__ = ["Evaluated", "evaluate_split", "plan_from_split"]
-
-
-@dataclass(frozen=True, slots=True)
-class Evaluated:
-    """A split under one schedule, simulated."""
-
-    schedule: str
-    pp_size: int
-    virtual_stages: int
-    num_microbatches: int
-    bounds: tuple[tuple[int, int], ...]
-    recompute: tuple[bool, ...]
-    stage_costs: tuple[StageCost, ...]
-    result: SimResult
-    fits: bool
-
-    @property
-    def peak_memory_bytes(self) -> int:
-        """Largest simulated rank peak."""
-        return max(self.result.rank_peak_memory_bytes)
+__all__ = []
 
 
 def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, config: Config,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from autopart.levels import coarsen_blocks
 from autopart.schema import BlockProfile
 
-__all__ = ["BASELINES", "baseline_split", "even_split", "params_split", "torchtitan_split"]
+__all__ = ["baseline_split"]
 
 _LAYER = "decoder_layer"
 

@@ -7,7 +7,7 @@ schedule (no recompute, ``act_2`` below). Every solver (DP, ILP, brute force in 
 definitions below, so their answers are comparable:
 
     time(i, j, r)      = F+B+W of blocks i..j-1  + r * F of checkpointed blocks + comm(j)
-    comm(j)            = autopart.cost.comm_ms(output_bytes[j - 1])  for 0 < j < n, else 0
+    comm(j)            = autopart.cost.stage.comm_ms(output_bytes[j - 1])  for 0 < j < n, else 0
     neck(i, j, r, b)   = time(i, j, r) - comm(j) + b * (comm(j) + [i > 0] * comm_max)
 
 ``time`` counts one direction per cut (the ILP's stage time). The DP's objective
@@ -32,7 +32,7 @@ microbatch holds from its B to its W (more than the simulator's: the first stage
 none, the last drops its logits at B); all add the logits the last stage holds.
 ``transient_0`` is the largest block workspace and ``transient_1`` adds the largest
 checkpointed block's activations (rebuilt during backward), as in
-``autopart.cost.stage_cost``. The last two terms bound torch's receive buffers (``m``
+``autopart.cost.stage.stage_cost``. The last two terms bound torch's receive buffers (``m``
 activation buffers of the input, ``m`` gradient buffers of the output) and the output
 each in-flight microbatch holds until its backward; the input side takes the largest
 tensor entering, crossing or leaving the stage, which keeps feasibility closed under
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopart.cost import BlockArrays, comm_ms
+from autopart.cost.stage import BlockArrays, comm_ms
 from autopart.schema import TrainingSetup
 
 _REL_TOL = 1e-9
@@ -114,7 +114,7 @@ class Chain:
     static_ends: tuple[np.ndarray, np.ndarray] | None = None
     """``(at_start, at_end)``: ``static_prefix`` at the start of the module a stage starting
     at block i begins inside and after the module a stage ending before j ends inside
-    (``autopart.held``: a module cut into parts is held whole); None when none is cut."""
+    (``autopart.cost.held``: a module cut into parts is held whole); None when none is cut."""
     cache: dict = field(default_factory=dict)
 
     @property
@@ -223,7 +223,7 @@ class Chain:
 
 
 def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
-    """The solvers' chain of ``arrays`` (from ``autopart.cost.block_arrays``) under ``setup``."""
+    """The solvers' chain of ``arrays`` (from ``cost.stage.block_arrays``) under ``setup``."""
     n = arrays.num_blocks
     step = arrays.fwd_ms + arrays.bwd_input_ms + arrays.bwd_weight_ms
     q0 = np.concatenate([[0.0], np.cumsum(step)])
@@ -257,7 +257,7 @@ def build_chain(arrays: BlockArrays, setup: TrainingSetup) -> Chain:
 
 
 def _static_ends(arrays: BlockArrays) -> tuple[np.ndarray, np.ndarray] | None:
-    """``Chain.static_ends`` from the spans of the modules cut into parts (``autopart.held``;
+    """``Chain.static_ends`` from the spans of the modules cut into parts (``autopart.cost.held``;
     None when none is)."""
     if arrays.held is None or arrays.held.span is None:
         return None

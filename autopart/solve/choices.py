@@ -31,7 +31,7 @@ from autopart.solve.cuts import parse_derived
 from autopart.solve.records import Config
 from autopart.solve.request import Request
 
-__all__ = ["SLICE_MARGIN", "Choice", "choice_notes", "choices", "plan_levels"]
+__all__ = []
 
 SLICE_MARGIN = 0.01
 """How much faster ``auto`` must predict the sliced plan to keep it."""

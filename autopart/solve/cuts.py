@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from autopart.errors import PlanError
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["boundary_names", "cut_bounds", "parse_derived", "shortest_names"]
+__all__ = []
 
 _DERIVED = re.compile(r"^(?P<module>.+)\.(?P<what>shard|slice)(?P<idx>\d+)of(?P<num>\d+)$")
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from autopart.solve.chain import Chain, range_query, range_table
 
-__all__ = ["DPSolution", "plan_objective", "solve_dp"]
+__all__ = ["plan_objective", "solve_dp"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from autopart.solve._ilp_model import RunModel, rank_time_floor
 from autopart.solve.chain import Chain
 
-__all__ = ["ILPLimits", "ILPSolution", "solve_ilp"]
+__all__ = ["ILPLimits", "solve_ilp"]
 
 _LOG = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Search the tp x pp x dp mesh around the pipeline search; the public ``plan_mesh``.
 
 For every mesh with ``tp`` dividing the node size and ``tp * pp * dp == devices``, the
-profile is sharded for TP (``autopart.mesh_cost.shard_profile``), the pipeline link is
+profile is sharded for TP (``autopart.cost.mesh.shard_profile``), the pipeline link is
 the intra-node one while the whole mesh fits in one node and the inter-node one
 otherwise, and ``make_plan`` searches schedule, v, m, cuts and recompute within memory
 as it does for ``--pp`` alone, with ``global_batch_size / (dp * micro_batch_size)``
@@ -19,7 +19,7 @@ overlap with earlier backwards is not modelled (an upper bound). FSDP gathering 
 per step gathers a rank's first stage before its first forward, hidden while the
 rank waits for its first input (the later stages are prefetched under compute);
 gathering per microbatch puts the gathers in the block times
-(``autopart.mesh_cost.gather_per_microbatch``) and plans without the split-backward
+(``autopart.cost.mesh.gather_per_microbatch``) and plans without the split-backward
 schedules, whose weight gradients the runtime cannot compute after a reshard.
 """
 
@@ -30,23 +30,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autopart.errors import InfeasibleError, PlanError
-from autopart.levels import coarsen
-from autopart.mesh_cost import (
+from autopart.cost.mesh import (
     gather_per_microbatch,
     ring_all_gather_ms,
     ring_all_reduce_ms,
     shard_profile,
     tp_comm_ms_per_block,
 )
+from autopart.errors import InfeasibleError, PlanError
+from autopart.levels import coarsen
 from autopart.profile.devices import DeviceSpec
 from autopart.schedules import SCHEDULES
 from autopart.schema import DTYPE_BYTES, Plan, Profile, setup_fields_with_precision
 from autopart.simulate import simulate_plan
 from autopart.solve.options import PlanOptions, device_of
-from autopart.solve.search import make_plan, scan_plan
+from autopart.solve.search import plan_pipeline, scan_plan
 
-__all__ = ["MeshCandidate", "MeshResult", "mesh_sizes", "plan_mesh"]
+__all__ = ["MeshCandidate", "MeshResult", "plan_mesh"]
 
 _NUM_REFINED_MESHES = 2
 """How many of the fastest meshes of the scan (one level, no local search) are planned as
@@ -167,7 +167,7 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
         progress: ``progress(done, total, what)`` after each mesh.
         shard_of: ``shard_of(tp)`` gives a profile of one TP shard or ``None``; default:
             ``autopart.profile.tp_shard.profile_tp_shard`` (analytical profiles of HF
-            configs); without one the block times are scaled (``autopart.mesh_cost``).
+            configs); without one the block times are scaled (``autopart.cost.mesh``).
         **fields: ``PlanOptions`` fields.
 
     Returns:
@@ -236,7 +236,7 @@ def plan_mesh(profile: Profile, options: PlanOptions | None = None, /, *,
     best_few = sorted((c for c in found if c.fits), key=_order)[:_NUM_REFINED_MESHES]
     for cand in best_few:
         found[found.index(cand)] = plan_one((cand.tp_size, cand.pp_size, cand.dp_size), opts,
-                                            make_plan)
+                                            plan_pipeline)
     if progress is not None:
         progress(len(meshes) + 1, len(meshes) + 1, "local search")
     return _ranked(found, opts.devices)

@@ -17,7 +17,7 @@ from autopart.errors import PlanError, ProfileError
 from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec, parse_backend
 from autopart.schema import ZERO_STAGES, Profile
 
-__all__ = ["DEVICE", "GRANULARITY_CHOICES", "PlanOptions", "device_of", "memory_limit_of"]
+__all__ = ["DEVICE", "GRANULARITY_CHOICES", "PlanOptions"]
 
 DEVICE = "device"
 """``PlanOptions.memory_limit_bytes``' default: the profile's device's memory."""

@@ -14,7 +14,7 @@ from autopart.solve.ilp import ILPLimits, solve_ilp
 from autopart.solve.records import Candidate, Config, Options
 from autopart.solve.setting import Setting
 
-__all__ = ["propose", "propose_baselines", "propose_dp", "propose_ilp", "second_opinion"]
+__all__ = []
 
 ILP_AUTO_MAX_CELLS = 2048
 """``solver="auto"`` adds the ILP for v > 1 when blocks x stages of the coarsest chain is

@@ -1,14 +1,35 @@
-"""The search's records: what to search (``Options``), where (``Config``), what was found
-(``Candidate``)."""
+"""The search's records: what to search (``Options``), where (``Config``), a split simulated
+(``Evaluated``), what was found (``Candidate``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopart.cost.stage import StageCost
 from autopart.schema import SolverInfo
-from autopart.solve.assemble import Evaluated
+from autopart.simulate import SimResult
 
-__all__ = ["Candidate", "Config", "Options"]
+__all__ = []
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    """A split under one schedule, simulated."""
+
+    schedule: str
+    pp_size: int
+    virtual_stages: int
+    num_microbatches: int
+    bounds: tuple[tuple[int, int], ...]
+    recompute: tuple[bool, ...]
+    stage_costs: tuple[StageCost, ...]
+    result: SimResult
+    fits: bool
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Largest simulated rank peak."""
+        return max(self.result.rank_peak_memory_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,8 +22,7 @@ from typing import Any, Protocol
 from autopart.levels import fuse
 from autopart.schema import Profile
 
-__all__ = ["Judge", "allowed_cuts", "fuse_blocks", "legal", "neighbours", "refine",
-           "refine_counted"]
+__all__ = []
 
 Bounds = tuple[tuple[int, int], ...]
 

@@ -14,7 +14,7 @@ from autopart.solve.options import PlanOptions, device_of, memory_limit_of
 from autopart.solve.records import Options
 from autopart.targets import planning_constraints
 
-__all__ = ["Request", "resolve_request"]
+__all__ = []
 
 _ILP_MAX_NODES = 100_000
 _ILP_AUTO_MAX_NODES = 2_000

@@ -1,4 +1,4 @@
-"""Search schedule x virtual stages x microbatches; the public ``make_plan``.
+"""Search schedule x virtual stages x microbatches on one mesh (``plan_pipeline``).
 
 For every allowed ``Config`` (schedule, v, m) the proposers (``propose.py``: DP,
 ILP, and the public baselines as seeds) offer splits, the simulator runs them, and
@@ -14,24 +14,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from autopart.errors import PlanError
 from autopart.schedules import SCHEDULES
 from autopart.schema import Plan, Profile
 from autopart.solve import _explain
-from autopart.solve.assemble import Evaluated, plan_from_split
+from autopart.solve.assemble import plan_from_split
 from autopart.solve.baselines import BASELINES
 from autopart.solve.choices import plan_levels
 from autopart.solve.cuts import cut_bounds
 from autopart.solve.options import PlanOptions
 from autopart.solve.propose import propose, second_opinion
-from autopart.solve.records import Candidate, Config, Options
+from autopart.solve.records import Candidate, Config, Evaluated, Options
 from autopart.solve.refine import legal, refine_counted
 from autopart.solve.request import Request, resolve_request
 from autopart.solve.setting import ConfigJudge, Setting, build_settings, search_configs
 
-__all__ = ["PARTITIONS", "SOLVERS", "make_plan"]
+__all__ = ["PARTITIONS", "SOLVERS"]
 
 PARTITIONS = ("optimal", *BASELINES)
 SOLVERS = ("auto", "dp", "ilp")
@@ -49,37 +48,20 @@ fastest seeds. There a climb from a seed 5-15% behind moves one cut by one block
 simulation and spent its 300 without reaching the front, most of the plan's time."""
 
 
-def make_plan(profile: Profile, options: PlanOptions | None = None, /, *,
-              progress: Callable[[int, int, str], None] | None = None,
-              **fields: Any) -> Plan:
-    """Plan the pipeline of ``profile``: the fastest simulated step that fits memory.
-
-    ``auto`` granularity loops over the levels the profile offers (its measured level,
-    with the coarser ones as seeds; the ``slice`` level where halves can be cut by units)
-    and over the head whole or cut by vocabulary, and keeps the fastest plan
-    (``autopart.solve.levels``).
+def plan_pipeline(profile: Profile, options: PlanOptions,
+                  progress: Callable[[int, int, str], None] | None = None) -> Plan:
+    """``make_plan`` on one mesh (``options.devices`` unset): the fastest pipeline of
+    ``profile`` that fits memory, at every level ``options`` asks for.
 
     Args:
-        profile: Per-block costs (``autopart profile``).
-        options: What to plan (``PlanOptions``); ``fields`` replace its fields, so
-            ``make_plan(profile, pp_size=8, num_microbatches=32)`` works alone.
+        profile: Per-block costs.
+        options: What to plan.
         progress: ``progress(done, total, what)`` after each searched configuration.
-        **fields: ``PlanOptions`` fields.
 
     Returns:
-        The plan, with the baselines simulated beside it and notes on why it looks the way
-        it does. With ``devices`` set, the chosen mesh's plan (``plan_mesh`` has the others).
-
-    Raises:
-        PlanError: A bad option (pp, partition, solver, v, precision, target, cuts, ...).
-        InfeasibleError: Nothing fits; the message names the memory that would fit.
+        The plan, with the baselines simulated beside it.
     """
-    opts = PlanOptions.of(options, **fields)
-    if opts.devices is not None:
-        from autopart.solve.mesh import plan_mesh
-
-        return plan_mesh(profile, opts, progress=progress).plan
-    request = resolve_request(profile, opts)
+    request = resolve_request(profile, options)
     return plan_levels(profile, request, _plan_at, progress)
 
 

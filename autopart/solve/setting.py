@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from autopart.cost import BlockArrays, StageCost, block_arrays, stage_cost
+from autopart.cost.stage import BlockArrays, StageCost, block_arrays, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.levels import stage_ends
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info
@@ -26,13 +26,13 @@ from autopart.simulate.engine import (
     updated_duration_table,
 )
 from autopart.simulate.levels import level_plan
-from autopart.solve.assemble import Evaluated, evaluate_split
+from autopart.solve.assemble import evaluate_split
 from autopart.solve.baselines import baseline_split
 from autopart.solve.chain import Chain, build_chain
-from autopart.solve.records import Config
+from autopart.solve.records import Config, Evaluated
 from autopart.solve.refine import allowed_cuts, fuse_blocks
 
-__all__ = ["ConfigJudge", "PathBound", "Setting", "build_settings", "search_configs"]
+__all__ = []
 
 
 @dataclass(frozen=True, slots=True)

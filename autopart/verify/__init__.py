@@ -9,10 +9,10 @@ and p2p wait, measures per-rank peak memory and returns a ``RunReport``;
 """
 
 from autopart.verify.calibrate import calibrate_profile
+from autopart.verify.comparison import write_comparison_trace
 from autopart.verify.machine import check_machine, load_cached_overhead, save_cached_overhead
 from autopart.verify.report import RunReport
 from autopart.verify.run import verify_plan
-from autopart.verify.trace import write_comparison_trace
 from autopart.verify.worker import RunSettings
 
 # Public entry points of the verify phase; everything else is internal.

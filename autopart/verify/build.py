@@ -16,7 +16,7 @@ from autopart.simulate import SimResult, simulate_plan
 from autopart.verify.report import RankReport, RunReport, StageReport, plan_digest
 from autopart.verify.worker import RankResult, RunSettings
 
-__all__ = ["build_report"]
+__all__ = []
 
 _COMPUTE = ("F", "LOSS", "B", "BW", "W")
 

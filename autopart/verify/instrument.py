@@ -24,10 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-__all__ = ["Span", "StepRecorder"]
-
-COMPUTE_KINDS = ("F", "LOSS", "B", "BW", "W")
-
+__all__ = []
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -41,11 +38,6 @@ class Span:
     """-1 for ``WAIT``."""
     start_ms: float
     end_ms: float
-
-    @property
-    def duration_ms(self) -> float:
-        """``end_ms - start_ms``."""
-        return self.end_ms - self.start_ms
 
 
 class StepRecorder:

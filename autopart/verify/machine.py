@@ -37,8 +37,7 @@ from autopart.errors import RuntimeSetupError, SchemaError
 from autopart.jsonio import dump_json, write_text
 from autopart.schema import Profile, RuntimeOverhead
 
-__all__ = ["cache_path", "check_machine", "load_cached_overhead", "machine_check_for",
-           "save_cached_overhead"]
+__all__ = ["check_machine", "load_cached_overhead", "machine_check_for", "save_cached_overhead"]
 
 _WIDTH = 16
 _COUNTS = (2, 8)

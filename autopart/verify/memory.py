@@ -27,7 +27,7 @@ from autopart.profile.memory import LiveTensors, storage_key
 from autopart.runtime.tensor_parallel import local_tensor
 from autopart.verify.report import MeasuredMemory
 
-__all__ = ["CPU_METHOD", "CUDA_METHOD", "measure_step_memory"]
+__all__ = []
 
 CPU_METHOD = ("live tensors: params + grads + optimizer state + recv buffers + peak of tensors "
               "alive during the step (LiveTensors dispatch mode) + FSDP-gathered parameters")

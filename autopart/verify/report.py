@@ -15,8 +15,7 @@ from typing import Any
 from autopart.jsonio import JsonFile
 from autopart.schema import Part, Plan
 
-__all__ = ["REPORT_SCHEMA_VERSION", "MeasuredMemory", "RankReport", "RunReport", "StageReport",
-           "plan_digest", "report_thread_mismatch"]
+__all__ = ["RunReport", "report_thread_mismatch"]
 
 REPORT_SCHEMA_VERSION = 1
 

@@ -26,7 +26,7 @@ from autopart.verify.instrument import StepRecorder
 from autopart.verify.memory import CPU_METHOD, CUDA_METHOD, measure_step_memory
 from autopart.verify.report import MeasuredMemory
 
-__all__ = ["RankResult", "RunSettings", "Span", "run_rank"]
+__all__ = ["RunSettings"]
 
 """``progress(done, total, what)``: ``done`` of ``total`` units finished, the last ``what``."""
 

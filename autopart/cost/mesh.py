@@ -1,6 +1,6 @@
 """Tensor- and data-parallel costs: a profile sharded for TP, and ring collective times.
 
-Pure functions beside ``autopart.cost``: the mesh search (``autopart.solve.mesh``)
+Pure functions beside ``autopart.cost.stage``: the mesh search (``autopart.solve.mesh``)
 shards a profile with ``shard_profile`` and hands it to the pipeline search unchanged.
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; sequence parallelism,
@@ -41,7 +41,7 @@ Models") on ``tp`` devices of one node, as autopart's runtime runs it
   not overlapped with compute (Megatron's default).
 
 Data parallelism sharded by FSDP (``autopart.runtime.fsdp``): the memory is in
-``autopart.cost.static_bytes_per_param``; gathering parameters per microbatch puts an
+``autopart.cost.stage.static_bytes_per_param``; gathering parameters per microbatch puts an
 all-gather before every F and B (``gather_per_microbatch``); the once-per-step gather
 and the gradient reduce-scatter are placed against the pipeline by
 ``autopart.solve.mesh``.
@@ -53,8 +53,8 @@ import dataclasses
 
 from autopart.schema import BlockProfile, Profile
 
-__all__ = ["TP_COLLECTIVES", "TP_EFFICIENCY", "gather_per_microbatch", "ring_all_gather_ms",
-           "ring_all_reduce_ms", "shard_profile", "tp_collectives", "tp_comm_ms_per_block"]
+__all__ = ["gather_per_microbatch", "ring_all_gather_ms", "ring_all_reduce_ms", "shard_profile",
+           "tp_comm_ms_per_block"]
 
 TP_EFFICIENCY = 0.9
 """Compute efficiency of a TP shard relative to the whole block (stated assumption)."""

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from autopart.errors import ModelSourceError
 from autopart.intake.forward import StandIn, intercept, leaf_paths
 
-__all__ = ["CallRecord", "ForwardTrace", "trace_forward"]
+__all__ = []
 
 _READS_VALUES = frozenset({
     "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal",

@@ -7,7 +7,7 @@ A weight two blocks share (a tied input embedding and head) is the same: each of
 stages holds it. Such a group of blocks is ``held whole``:
 
 - a stage holding any of its blocks holds the group's whole static bytes (``stage_cost``);
-- a rank holding it on several stages holds it once (``autopart.rank_cost``);
+- a rank holding it on several stages holds it once (``autopart.cost.rank``);
 - after the step the ranks holding it sum its gradient, a ring over them.
 
 Groups are keyed by the module: the half's module ``P``, the head (also for the tied
@@ -24,7 +24,7 @@ import numpy as np
 
 from autopart.schema import Profile
 
-__all__ = ["HeldWhole", "held_whole"]
+__all__ = []
 
 
 @dataclass(frozen=True, slots=True)

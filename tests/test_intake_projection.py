@@ -18,12 +18,12 @@ from autopart.profile import profile_model
 from autopart.solve import make_plan
 
 
-def _quarter(model_type: str):
+def _projection(model_type: str):
     return discover_blocks(build_hf_model(tiny_config(model_type)), granularity="projection")
 
 
 def test_llama_halves_split_before_o_proj_and_down_proj():
-    chain = _quarter("llama")
+    chain = _projection("llama")
     assert chain.granularity == "projection" and not chain.notes and len(chain.blocks) == 19
     layer = "model.layers.0"
     assert chain.names[1:5] == [f"{layer}.self_attn.v_proj", f"{layer}.self_attn.o_proj",
@@ -40,7 +40,7 @@ def test_llama_halves_split_before_o_proj_and_down_proj():
 def test_the_residual_crosses_beside_the_projection_input():
     """Before o_proj the residual (input_layernorm's argument, call 1, leaf 0) rides along;
     before down_proj post_attention_layernorm's (call 4); plain cuts carry nothing."""
-    carries = _quarter("llama").trace.carries
+    carries = _projection("llama").trace.carries
     assert carries[2] == ((1, 0),) and carries[5] == ((4, 0),)
     assert carries[3] == () and carries[6] == ()
 
@@ -55,13 +55,13 @@ def test_fingerprint_is_the_same_at_every_granularity():
     ("gemma3_text", 19, ""), ("gpt2", 19, ""), ("mixtral", 15, "not floating point"),
     ("olmo2", 11, "made inside"), ("gpt_neox", 7, "stay whole")])
 def test_families_split_where_exact(model_type, num_blocks, note):
-    chain = _quarter(model_type)
+    chain = _projection(model_type)
     assert len(chain.blocks) == num_blocks, chain.notes
     assert (note in " ".join(chain.notes)) if note else not chain.notes
 
 
 def test_gemma3_post_norm_goes_with_the_projection():
-    chain = _quarter("gemma3_text")
+    chain = _projection("gemma3_text")
     assert chain.blocks[2].modules == ("model.layers.0.self_attn.o_proj",
                                        "model.layers.0.post_attention_layernorm")
 
@@ -117,10 +117,10 @@ def test_cpu_measured_parts_sum_to_the_halves():
     activations and parameters add up to the halves', and the cut before a projection
     sends its input and the residual (fp32, 16 tokens)."""
     model = build_hf_model(tiny_config("llama"))
-    quarter, halves = (profile_model(model, backend="cpu", seq_len=16, num_warmup=0,
-                                     num_repeats=1, granularity=g)
-                       for g in ("projection", "half"))
-    assert [b.output_bytes for b in quarter.blocks[1:5]] == [4096, 2048, 6144, 2048]
-    for a, b in zip(coarsen(quarter, "half").blocks, halves.blocks):
+    projection, halves = (profile_model(model, backend="cpu", seq_len=16, num_warmup=0,
+                                        num_repeats=1, granularity=g)
+                          for g in ("projection", "half"))
+    assert [b.output_bytes for b in projection.blocks[1:5]] == [4096, 2048, 6144, 2048]
+    for a, b in zip(coarsen(projection, "half").blocks, halves.blocks):
         assert (a.name, a.param_bytes, a.activation_bytes) == (
             b.name, b.param_bytes, b.activation_bytes)

@@ -13,7 +13,7 @@ Memory model (DESIGN.md; what torch 2.13's ``PipelineStage`` allocates), per sta
   ``checkpointed``), plus the stage output that torch keeps in ``fwd_cache`` until
   the backward (for a causal LM's last stage, the logits: the loss runs outside the
   stage), less the first block's saved input, which lives in a receive buffer.
-- receive buffers (``autopart.rank_cost.recv_buffer_bytes``): torch allocates one
+- receive buffers (``autopart.cost.rank.recv_buffer_bytes``): torch allocates one
   activation buffer and one gradient buffer per microbatch (``args_recv_info[mb]``,
   ``grad_recv_info[mb]``) at the first step and keeps them:
   ``m * (input_bytes + output_bytes)``.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.held import HeldWhole, held_whole
+from autopart.cost.held import HeldWhole, held_whole
 from autopart.schema import DTYPE_BYTES, Profile, RuntimeOverhead, TrainingSetup
 
 __all__ = [
@@ -76,7 +76,7 @@ class StageCost:
     recompute: bool = False
     held: tuple[tuple[str, int], ...] = ()
     """``(module, static bytes)`` of every module this stage holds whole while holding only
-    part of it (``autopart.held``: a tied weight, the head cut by vocabulary, a half cut
+    part of it (``autopart.cost.held``: a tied weight, the head cut by vocabulary, a half cut
     by units), so another stage holds it too; included in ``static_bytes``, counted once
     per rank, its gradient summed over the ranks holding it."""
     held_for_weight_bytes: int = 0
@@ -172,7 +172,7 @@ class BlockArrays:
     """Prefix of the forward time recomputation repeats (checkpointed blocks)."""
     prefix_num_params: np.ndarray
     held: HeldWhole | None = None
-    """The modules held whole by every stage holding part of them (``autopart.held``)."""
+    """The modules held whole by every stage holding part of them (``autopart.cost.held``)."""
     held_static_bytes: np.ndarray | None = None
     """Per held group, the static bytes of its whole module."""
     prefix_own_static: np.ndarray | None = None
@@ -354,7 +354,7 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
 def _stage_static(arrays: BlockArrays, first: int, last: int
                   ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
     """Static bytes and parameters of a stage, and the modules it holds whole
-    (``autopart.held``): its blocks' own share, plus each held group's whole."""
+    (``autopart.cost.held``): its blocks' own share, plus each held group's whole."""
     held = arrays.held
     if held is None:
         return (int(arrays.prefix_static[last + 1] - arrays.prefix_static[first]),

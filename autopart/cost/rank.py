@@ -1,6 +1,6 @@
 """Costs of a rank and of a step, built from its stages' ``StageCost``s.
 
-``autopart.cost`` prices one stage from its blocks; this module adds what only a
+``autopart.cost.stage`` prices one stage from its blocks; this module adds what only a
 rank or a whole step has: the static memory of a rank holding several stages (a
 module held whole counted once), torch's receive buffers, the runtime's fixed work per
 step, and the per-step sum of the gradients of modules held on several ranks.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopart.cost import StageCost, static_bytes_per_param
+from autopart.cost.stage import StageCost, static_bytes_per_param
 from autopart.schema import DTYPE_BYTES, Plan, TrainingSetup
 
 __all__ = ["rank_static_bytes", "recv_buffer_bytes", "shared_grad_sync_ms",
@@ -24,7 +24,7 @@ def rank_static_bytes(costs: Sequence[StageCost], stages: Sequence[int]) -> int:
     Torch shares one Parameter (one gradient, one optimizer state) between the embedding
     and the head when both sit on the same rank, and the runtime holds a module cut into
     parts (the head by vocabulary, a half by units) whole once per rank
-    (``StageCost.held``, ``autopart.held``).
+    (``StageCost.held``, ``autopart.cost.held``).
     """
     total = sum(costs[s].static_bytes for s in stages)
     seen: set[str] = set()

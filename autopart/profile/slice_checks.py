@@ -1,6 +1,6 @@
 """Which layer halves a profile offers to cut inside their call (``ModelInfo.slice_units``).
 
-Every call of a half's module ``P`` (``autopart.intake.half_slices``) whose structure
+Every call of a half's module ``P`` (``autopart.intake.slice_rules``) whose structure
 gives a ``SliceRule`` is a candidate. For each kind (``attention``, ``mlp``) the first
 such call of each module class is checked on the profiling backend while the forward
 runs: ``P`` (a materialized copy) whole against ``P`` as two slices on the call's own
@@ -18,10 +18,10 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autopart.intake import BlockChain
-from autopart.intake.half_slices import SliceRule, check_slices, slice_rule
+from autopart.intake.slice_rules import SliceRule, check_slices, slice_rule
 from autopart.profile.tasks import on_device
 
-__all__ = ["SliceChecks"]
+__all__ = []
 
 _KINDS = ("attention", "mlp")
 

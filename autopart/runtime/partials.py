@@ -1,7 +1,7 @@
 """A stage's part of a decoder-layer half cut inside its module ``P`` (half slices).
 
 A plan may cut a half's module ``P`` (``model.layers.3.mlp``) into slices: parts along
-``units`` (``model.layers.3.mlp.slice1of4``, ``autopart.intake.half_slices``). A stage
+``units`` (``model.layers.3.mlp.slice1of4``, ``autopart.intake.slice_rules``). A stage
 whose blocks begin with slice ``i > 0`` of ``P`` *starts inside* ``P``: its first call is
 ``P``'s, with ``P``'s stream arguments, the residual and the partial output of the
 slices before it received; it adds its own slices' output to the received partial and
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autopart.intake import BlockChain
-from autopart.intake.half_slices import (
+from autopart.intake.slice_rules import (
     SliceRule,
     add_outputs,
     partial_forward,
@@ -32,7 +32,7 @@ from autopart.intake.half_slices import (
 )
 from autopart.schema import Part
 
-__all__ = ["Partial", "plus_partial", "run_partial", "stage_partials"]
+__all__ = []
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def _unrouted(module: nn.Module, original: Callable[..., Any]) -> Iterator[None]
 
 
 def run_partial(part: Partial, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``P``'s output from this stage's units only (``half_slices.partial_forward``), run
+    """``P``'s output from this stage's units only (``slice_rules.partial_forward``), run
     through ``P``'s own forward ``original``. Deterministic, so a checkpoint replays it."""
     with _unrouted(part.module, original):
         return partial_forward(part.module, part.rule, part.lo, part.hi, args, kwargs)

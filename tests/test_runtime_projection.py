@@ -1,6 +1,6 @@
 """Pipeline cuts inside the halves of decoder layers train exactly like the unpipelined model.
 
-Each family's tiny config is discovered at ``quarter`` granularity (19 blocks for four
+Each family's tiny config is discovered at ``projection`` granularity (19 blocks for four
 layers: embedding, 4 x (attention up to o_proj, o_proj, MLP up to down_proj, down_proj),
 norm, head) and cut before output projections, where two values cross (the attention
 output or ``act(gate) * up``, and the residual), on 2 gloo ranks. The loss and every
@@ -63,7 +63,7 @@ def test_every_schedule_with_cuts_before_output_projections_llama(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_recomputed_quarters_train_exactly(tmp_path):
+def test_recomputed_projection_parts_train_exactly(tmp_path):
     """Checkpointed stages (a stage ending inside a half checkpoints it up to the cut), also
     under zero-bubble split backward (the residual sent is a checkpoint's saved input)."""
     plans = {**TWO, "zbv": EVERY_SCHEDULE["zbv"]}

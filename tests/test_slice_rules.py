@@ -14,7 +14,7 @@ import pytest
 import torch
 from families import real_model, tiny_config
 
-from autopart.intake.half_slices import (
+from autopart.intake.slice_rules import (
     add_outputs,
     check_slices,
     main_output,

@@ -17,7 +17,7 @@ from autopart.jsonio import write_text
 from autopart.simulate import SimEvent, SimResult
 from autopart.verify.report import RunReport
 
-__all__ = ["comparison_trace", "save_comparison_png", "write_comparison_trace"]
+__all__ = ["save_comparison_png", "write_comparison_trace"]
 
 _PROCESSES = ((0, "measured"), (1, "simulated"), (2, "simulated sends"))
 
