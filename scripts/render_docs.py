@@ -52,11 +52,11 @@ def commands(text: str) -> list[str]:
 
 
 def run(cmd: str, cwd: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run one documented command in ``cwd`` with the repository reachable."""
+    """Run one documented command in ``cwd``, the repository reachable, stderr into stdout."""
     env = dict(os.environ, COLUMNS="200", PYTHONPATH=os.pathsep.join(
         [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    return subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(cmd, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
 def trim(real: list[str], shown: list[str]) -> list[str]:
@@ -78,8 +78,8 @@ def render(text: str, workdir: str) -> str:
             done = run(cmd, workdir)
             if done.returncode != 0:
                 sys.exit(f"render_docs: `{cmd}` exited {done.returncode}:\n"
-                         f"{(done.stdout + done.stderr)[-2000:]}")
-            real = [line.rstrip() for line in (done.stdout + done.stderr).splitlines()]
+                         f"{done.stdout[-2000:]}")
+            real = [line.rstrip() for line in done.stdout.splitlines()]
             out += [f"$ {cmd}", *trim(real, shown)]
         return "```console\n" + "\n".join(out) + "\n```\n"
     return BLOCK.sub(block, text)
