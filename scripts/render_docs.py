@@ -79,7 +79,8 @@ def render(text: str, workdir: str) -> str:
             if done.returncode != 0:
                 sys.exit(f"render_docs: `{cmd}` exited {done.returncode}:\n"
                          f"{done.stdout[-2000:]}")
-            real = [line.rstrip() for line in done.stdout.splitlines()]
+            real = [line.rstrip().replace(workdir + os.sep, "")
+                    for line in done.stdout.splitlines()]
             out += [f"$ {cmd}", *trim(real, shown)]
         return "```console\n" + "\n".join(out) + "\n```\n"
     return BLOCK.sub(block, text)

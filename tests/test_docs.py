@@ -55,7 +55,8 @@ def test_documented_commands_run_and_print_their_headers(page, tmp_path):
             assert done.returncode == 0, f"{page.name}: `{cmd}` exited {done.returncode}:\n{output}"
             header = _header(shown)
             if header is not None:
-                real = _header([line.rstrip() for line in output.splitlines()])
+                real = _header(render_docs.trim([line.rstrip() for line in output.splitlines()],
+                                                  shown))
                 assert real is not None and _mask(real) == _mask(header), (
                     f"{page.name}: `{cmd}` printed {real!r}, the page shows {header!r}; "
                     "run scripts/render_docs.py")
