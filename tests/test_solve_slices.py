@@ -170,3 +170,28 @@ def test_cuts_naming_slices_that_do_not_exist_say_why(cut):
 
     with pytest.raises(PlanError, match="slices exist where the profile offers them"):
         make_plan(halves_profile(), pp_size=2, schedule="1f1b", num_microbatches=4, cuts=[cut])
+
+
+def test_a_sliced_or_sharded_plan_names_its_cuts_so_they_replan_to_the_same_split():
+    """The point after a slice or head shard that is not the last is not the end of its
+    module's call: the module's name names the point after its last part only, so a plan's
+    ``pipeline_cuts`` fed back as ``cuts`` give the same stages."""
+    from families import tiny_config
+
+    from autopart.intake.sources import build_hf_model
+    from autopart.profile import profile_model
+    from autopart.solve.cuts import boundary_names
+
+    profile = profile_model(build_hf_model(tiny_config("llama")), backend="analytical:h100",
+                            seq_len=64)
+    sliced = at_level(profile, "slice", head_shards=4)
+    names = boundary_names(sliced.blocks)
+    ends = {b.name: j for j, b in enumerate(sliced.blocks, 1)}
+    assert names["model.layers.0.mlp"] == ends["model.layers.0.mlp.slice3of4"]
+    assert "lm_head" not in names
+    for cuts in (["model.layers.0.mlp.slice1of4"], ["model.layers.1.self_attn.slice0of2"]):
+        plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b", cuts=cuts)
+        again = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
+                          cuts=list(plan.pipeline_cuts))
+        assert list(plan.pipeline_cuts) == cuts
+        assert [s.modules for s in again.stages] == [s.modules for s in plan.stages]

@@ -37,9 +37,13 @@ def parse_derived(name: str) -> tuple[str, str, int, int] | None:
 
 
 def _ending(block: BlockProfile) -> list[str]:
-    """The names of the point after ``block``: its name, its last module, and the module of
-    each part whose call ends with it (that part and every part inside it are last)."""
-    names = [block.name, (block.modules or (block.name,))[-1]]
+    """The names of the point after ``block``: its name, its last module (unless the block
+    is a derived part, a slice or head shard, which runs only a share of that module's
+    call), and the module of each part whose call ends with it (that part and every part
+    inside it are last)."""
+    names = [block.name]
+    if not (block.parts and block.parts[-1].derived):
+        names.append((block.modules or (block.name,))[-1])
     for depth, part in enumerate(block.parts):
         if all(p.last for p in block.parts[depth:]):
             names.append(part.module)
