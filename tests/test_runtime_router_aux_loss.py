@@ -3,8 +3,8 @@
 Mixtral and Qwen3-MoE with ``output_router_logits=True`` and ``router_aux_loss_coef``
 0.5 (large, so a wrong share shows): HF adds ``coef * load_balancing_loss_func(...)``
 over every layer's router logits and the whole padded batch. On 2 gloo ranks, with a
-cut between MoE layers and one inside a layer, under 1F1B and Interleaved 1F1B, the
-loss and every gradient must match within 1e-5 in fp32
+cut between MoE layers and one inside a layer, under 1F1B, Interleaved 1F1B and ZBV with
+recomputed layers, the loss and every gradient must match within 1e-5 in fp32
 (``autopart.runtime.aux_loss``: routing counted first, each stage adds its layers'
 exact linear share).
 """
@@ -22,7 +22,10 @@ from autopart.runtime.builder import tied_parameters
 TOL = 1e-5
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5, "router_jitter_noise": 0.0}
 # half level: 0 embedding, layer i: 1 + 2i attention half, 2 + 2i MoE half; 9 norm, 10 head
-PLANS = {"1f1b": [3, 8], "interleaved-1f1b": [2, 3, 3, 3]}
+# schedule -> (stage sizes, activation checkpointing): ZBV splits the backward (the counting
+# pass is then a whole step whose gradients are dropped) and recomputes the layers
+PLANS = {"1f1b": ([3, 8], False), "interleaved-1f1b": ([2, 3, 3, 3], False),
+         "zbv": ([2, 3, 3, 3], True)}
 
 
 def _worker(rank: int, world_size: int, model_type: str) -> dict:
@@ -31,10 +34,10 @@ def _worker(rank: int, world_size: int, model_type: str) -> dict:
     chain = discover_blocks(build_hf_model(config), granularity="half")
     aliases = {b: a for a, b in tied_parameters(build_hf_model(config), chain)}
     results = {"ref_loss": reference.loss, "ref_keys": sorted(reference.state)}
-    for schedule, counts in PLANS.items():
+    for schedule, (counts, recompute) in PLANS.items():
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
                                num_microbatches=4)
-        results[schedule] = exact_step(config, plan, reference, aliases, False)
+        results[schedule] = exact_step(config, plan, reference, aliases, recompute)
     return results
 
 

@@ -74,13 +74,28 @@ def _shape_inference() -> bool:
     return False
 
 
+class _WeightedSum(torch.autograd.Function):
+    """``(probs * factors).sum()``; ``factors`` (the microbatch's mask times the expert
+    weights) is kept on the context, not saved: a checkpoint recomputing the layer (in
+    another microbatch's forward context) must not replace it."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.factors = factors
+        return (probs * factors).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad * ctx.factors, None
+
+
 class _AddShare(torch.autograd.Function):
-    """``x`` unchanged; backward also gives the share the gradient 1 (it joins the loss)."""
+    """A copy of ``x``; backward also gives the share the gradient 1 (it joins the loss)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, share: torch.Tensor) -> torch.Tensor:  # noqa: D102
         ctx.share_shape = share.shape
-        return x.view_as(x)
+        return x.clone()  # not a view: zero-bubble schedules detach stage outputs in place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
@@ -139,18 +154,24 @@ class RouterAuxLoss:
     def _count(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if not self._inside or not self._live or self._real(output) is None:
             return
-        probs, mask = self._probs(output)
+        probs, mask = self._probs(output.detach() if isinstance(output, torch.Tensor)
+                                  else tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                             for o in output))
         chosen = torch.topk(probs, self.top_k, dim=-1).indices
         self._counts += torch.zeros(self.num_experts, device=probs.device).scatter_add_(
             0, chosen.reshape(-1), mask.repeat_interleave(self.top_k)).to(self._counts.device)
         self._rows += mask.sum().to(self._rows.device)
 
     def _share(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if not self._inside or not self._live or self._real(output) is None:
-            return  # a checkpoint's recomputation in the backward, a stand-in
+        if self._real(output) is None:  # a stand-in for another stage's layer
+            return
         probs, mask = self._probs(output)
         weights = self._weights.to(probs.device)
-        self._pending.append(self.coef * (weights * (probs * mask[:, None]).sum(0)).sum())
+        share = _WeightedSum.apply(probs, self.coef * mask[:, None] * weights[None, :])
+        # a checkpoint recomputing the layer in the backward runs the same ops (its saved
+        # tensors must match) but the share was added in the forward already
+        if self._inside and self._live:
+            self._pending.append(share)
 
     def _attach(self, _module: nn.Module, _args: Any, output: Any) -> Any:
         """The stage's output carrying the shares its forward made (the first floating
@@ -169,6 +190,9 @@ class RouterAuxLoss:
                 break
         return tuple(leaves) if isinstance(output, tuple) else leaves[0]
 
+    def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self._inside -= 1  # a checkpoint's recomputation in the backward is not counted
+
     def _note_mask(self, _module: nn.Module, _args: Any, kwargs: dict) -> None:
         self._mask = kwargs.get("attention_mask")
         self._inside += 1
@@ -182,8 +206,8 @@ class RouterAuxLoss:
                 handles.append(stage.register_forward_pre_hook(self._note_mask,
                                                                with_kwargs=True))
                 handles += [r.register_forward_hook(router_hook) for r in routers]
-                if attach:
-                    handles.append(stage.register_forward_hook(self._attach))
+                handles.append(stage.register_forward_hook(self._attach if attach
+                                                           else self._leave))
             yield
         finally:
             for handle in handles:
@@ -196,7 +220,7 @@ class RouterAuxLoss:
         weights ``coef``-free ``E * T_e / R**2`` summed over the pipeline group."""
         self._counts = torch.zeros(self.num_experts, device=device)
         self._rows = torch.zeros((), device=device)
-        with torch.no_grad(), self._hooked(self._count, attach=False):
+        with self._hooked(self._count, attach=False):
             run_forward()
         both = torch.cat([self._counts, self._rows[None]])
         dist.all_reduce(both, group=self.pp_group)

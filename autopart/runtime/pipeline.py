@@ -28,6 +28,7 @@ from autopart.runtime.groups import Groups, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import local_tensor, place_grads
+from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
 __all__ = ["PipelinedModel", "TiedWeight"]
@@ -130,9 +131,7 @@ class PipelinedModel:
         last_target = self._to_device(target) if self.is_last else None
         adding = contextlib.nullcontext()
         if self._aux is not None:  # routing counts of the whole batch first (exact weights)
-            self._aux.count(lambda: self.schedule.eval(*args, target=last_target, losses=[],
-                                                       return_outputs=False, **kw),
-                            self.device)
+            self._aux.count(lambda: self._counting_pass(args, last_target, kw), self.device)
             adding = self._aux.adding()
         with adding:
             self.schedule.step(*args, target=last_target, losses=mb_losses,
@@ -152,6 +151,22 @@ class PipelinedModel:
         if self._aux is not None:
             total = total + self._aux.total.to(total.device)
         return total
+
+    def _counting_pass(self, args: tuple, target: Any, kw: dict) -> None:
+        """The schedule's forward for ``RouterAuxLoss.count``: forward-only, except under
+        split-backward schedules (zero bubble, V), whose stages torch cannot switch to
+        forward-only and back; there one whole step runs and its gradients are dropped
+        (the gradients held before it are put back)."""
+        if not schedule_info(self.plan.schedule).split_backward:
+            self.schedule.eval(*args, target=target, losses=[], return_outputs=False, **kw)
+            return
+        params = self.parameters()
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.schedule.step(*args, target=target, losses=[], return_outputs=False, **kw)
+        for p, grad in zip(params, held):
+            p.grad = grad
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so their global 2-norm is at most ``max_norm``; return the norm.
