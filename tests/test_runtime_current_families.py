@@ -7,7 +7,8 @@ linear attention with a convolution, full attention every other layer), DeepSeek
 discovered at its finest level (``projection``; halves stay whole where a cut inside
 them is not exact, the chain's notes say why) and profiled on the CPU at every level;
 one step of a padded batch under 1F1B and Interleaved 1F1B, with the first cut inside
-layer 0, must give the loss and every gradient of the same model run whole, max abs
+layer 0 (and under 1F1B cut between two slices of a half where the family's halves slice),
+must give the loss and every gradient of the same model run whole, max abs
 diff < 1e-5 in fp32.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 from families import CURRENT_FAMILIES, reference_run, tiny_config
-from runtime_helpers import check_exact, exact_step, make_stage_plan, run_ranks
+from runtime_helpers import check_exact, exact_step, make_stage_plan, planned_blocks, run_ranks
 
 from autopart.intake import discover_blocks
 from autopart.intake.sources import build_hf_model
@@ -30,6 +31,14 @@ def _plans(num_blocks: int) -> dict[str, list[int]]:
     return {"1f1b": [2, num_blocks - 2], "interleaved-1f1b": [2, 2, 3, num_blocks - 7]}
 
 
+# halves cut into slices where their structure allows (``half_slices.slice_rule``): Llama 4's
+# attention by KV-head groups, the dense MLPs of Qwen3.5 and DeepSeek-V2's first layer by
+# columns (gpt-oss's attention reads its sinks, Qwen3-Next's MLPs are MoE and its gated
+# attention's query projection is twice the heads: none slices)
+SLICED = {"llama4_text": "model.layers.1.self_attn", "qwen3_5_text": "model.layers.0.mlp",
+          "deepseek_v2": "model.layers.0.mlp"}
+
+
 def _worker(rank: int, world_size: int, model_type: str, granularity: str) -> dict:
     config = tiny_config(model_type)
     reference = reference_run(config)
@@ -41,6 +50,13 @@ def _worker(rank: int, world_size: int, model_type: str, granularity: str) -> di
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
                                num_microbatches=4)
         results[schedule] = exact_step(config, plan, reference, aliases, False)
+    if model_type in SLICED:  # 1F1B with the cut between the two slices of a half
+        half = discover_blocks(build_hf_model(config), granularity="half")
+        blocks = planned_blocks(half, units={SLICED[model_type]: 2})
+        first = next(i for i, (name, _) in enumerate(blocks) if "slice" in name)
+        plan = make_stage_plan(half, [first + 1, len(blocks) - first - 1], schedule="1f1b",
+                               pp_size=world_size, num_microbatches=4, blocks=blocks)
+        results["slice"] = exact_step(config, plan, reference, aliases, False)
     return results
 
 
@@ -81,4 +97,5 @@ def test_current_family_profiles_on_cpu(model_type):
 def test_current_family_trains_exactly_with_cuts_inside_layers(tmp_path, model_type):
     """1F1B and Interleaved 1F1B on the finest chain, loss and gradients within 1e-5."""
     results = run_ranks(_worker, 2, tmp_path, model_type, "projection")
-    check_exact(results, {"1f1b": None, "interleaved-1f1b": None}, TOL)
+    plans = ("1f1b", "interleaved-1f1b", *(("slice",) if model_type in SLICED else ()))
+    check_exact(results, dict.fromkeys(plans), TOL)
