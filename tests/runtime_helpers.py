@@ -131,7 +131,7 @@ def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
     diffs = {}
     for name, p in named_params:
         ref = ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
-        if p.grad is None and ref is None and not p.requires_grad:
+        if ref is None and not p.requires_grad and (p.grad is None or not p.grad.any()):
             diffs[name] = 0.0  # frozen in both (an MoE router's load-balancing bias)
         elif p.grad is None or ref is None:
             diffs[name] = float("inf")
