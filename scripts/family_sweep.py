@@ -159,9 +159,26 @@ def sweep_one(model_type: str) -> dict:
     return row
 
 
+def _refused(row: dict) -> bool:
+    """autopart refused the type in one line (encoder-decoder, no causal LM)."""
+    return "encoder-decoder model" in row["reason"] or "has no causal LM" in row["reason"]
+
+
+def read_table(path: Path) -> list[dict]:
+    """The rows of a table ``write_table`` wrote (to rewrite it with ``--retable``)."""
+    keys = ("type", "profile", "plan", "exact", "level", "reason")
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[0] not in ("type", "---"):
+            rows.append(dict(zip(keys, cells)))
+    return rows
+
+
 def write_table(rows: list[dict], out: Path, total: int, seconds: float) -> None:
     """``docs/families.md``: counts, then one row per type."""
-    runs = [r for r in rows if not r["reason"].startswith("does not run")]
+    refused = [r for r in rows if _refused(r)]
+    runs = [r for r in rows if not r["reason"].startswith("does not run") and not _refused(r)]
     exact = [r for r in runs if r["exact"] == "yes"]
     lines = [
         "# Causal-LM families of transformers under autopart",
@@ -170,7 +187,10 @@ def write_table(rows: list[dict], out: Path, total: int, seconds: float) -> None
         "2 gloo ranks, 1F1B, 4 microbatches, padded batch, fp32, tolerance 1e-5).",
         "",
         f"- types swept: {len(rows)} of {total} in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`"
-        f" ({seconds / 60:.0f} min)",
+        + (f" ({seconds / 60:.0f} min)" if seconds else ""),
+        f"- refused in one line as encoder-decoder or non-causal: {len(refused)}",
+        f"- others not running unpipelined on the shrunk config: "
+        f"{len(rows) - len(refused) - len(runs)}",
         f"- run unpipelined on the shrunk config: {len(runs)}",
         f"- train exactly (loss and every gradient within 1e-5): {len(exact)} of {len(runs)}",
         "",
@@ -192,7 +212,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these model types only")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "families.md")
+    parser.add_argument("--retable", action="store_true",
+                        help="rewrite --out from its own rows (counts, classification)")
     args = parser.parse_args()
+    if args.retable:
+        write_table(read_table(args.out), args.out, len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 0)
+        return 0
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
