@@ -47,7 +47,33 @@ MORE_FAMILIES: dict[str, dict[str, Any]] = {
     "cohere": {},
 }
 """Families beyond the issue's list, also served by watching the forward."""
-FAMILIES_ALL = {**FAMILIES, **MORE_FAMILIES}
+CURRENT_FAMILIES: dict[str, dict[str, Any]] = {
+    # attention sinks, alternating sliding / full attention, MoE with biased experts
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8,
+                "sliding_window": 6, "intermediate_size": 32},
+    # chunked attention (iRoPE: rope-less layers), MoE with a shared expert, QK norm
+    "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 8,
+                    "intermediate_size_mlp": 64, "attention_chunk_size": 6,
+                    "no_rope_layer_interval": 2},
+    # hybrid gated delta-net linear attention (conv state) and full attention, MoE
+    "qwen3_next": {"head_dim": 8, "linear_conv_kernel_dim": 2, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                   "full_attention_interval": 2},
+    # the same hybrid linear attention, dense MLP
+    "qwen3_5_text": {"head_dim": 8, "linear_conv_kernel_dim": 2, "linear_key_head_dim": 8,
+                     "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "full_attention_interval": 2},
+    # multi-head latent attention (MLA), MoE with shared experts
+    "deepseek_v2": {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1,
+                    "num_key_value_heads": 4, "head_dim": 8},
+}
+"""Families people train now (issue 21): sinks, hybrid linear attention, MLA, chunked."""
+FAMILIES_ALL = {**FAMILIES, **MORE_FAMILIES, **CURRENT_FAMILIES}
 
 _ONLY = {"gpt2": ("vocab_size", "bos_token_id", "eos_token_id"),
          "gpt_bigcode": ("vocab_size", "bos_token_id", "eos_token_id"),

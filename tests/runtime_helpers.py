@@ -125,12 +125,15 @@ def padded_batch(vocab_size: int, batch: int = 8, seq_len: int = 12, seed: int =
 def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
                    ref_grads: dict[str, torch.Tensor], aliases: dict[str, str] | None = None
                    ) -> dict[str, float]:
-    """Max |grad - reference grad| per parameter FQN (inf when a gradient is missing)."""
+    """Max |grad - reference grad| per parameter FQN (inf when a gradient is missing; 0 for
+    a parameter that requires none and has none in either model)."""
     aliases = aliases or {}
     diffs = {}
     for name, p in named_params:
         ref = ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
-        if p.grad is None or ref is None:
+        if ref is None and not p.requires_grad and (p.grad is None or not p.grad.any()):
+            diffs[name] = 0.0  # frozen in both (an MoE router's load-balancing bias)
+        elif p.grad is None or ref is None:
             diffs[name] = float("inf")
         else:
             diffs[name] = (p.grad.float() - ref.float()).abs().max().item()

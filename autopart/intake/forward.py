@@ -24,8 +24,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-__all__ = ["StageExit", "Substitute", "intercept", "leaf_paths", "meta_safe_experts", "StandIn",
-           "model_output_tensor", "replace_leaves"]
+__all__ = ["KeepOffMeta", "StageExit", "Substitute", "intercept", "leaf_paths", "meta_copy",
+           "meta_safe_experts", "StandIn", "model_output_tensor", "replace_leaves",
+           "structure_key"]
 
 Handler = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
 
@@ -70,6 +71,26 @@ def intercept(model: nn.Module, fqns: Sequence[str], handler: Handler) -> Iterat
                 del module.forward
             else:
                 module.forward = before
+
+
+class KeepOffMeta(TorchFunctionMode):
+    """Leave real tensors where they are when the model's code moves them to meta.
+
+    Model code such as Llama 4's ``input_ids.to(self.embed_tokens.weight.device)``
+    follows a parameter's device; with the parameters on meta (a block autopart
+    measures or stands in for elsewhere) that would send the real glue values to meta,
+    where nothing can be read back. Under this mode ``Tensor.to`` keeps a real
+    tensor's device (the dtype still changes as asked).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (getattr(func, "__name__", "") == "to" and isinstance(out, torch.Tensor)
+                and out.is_meta and args and isinstance(args[0], torch.Tensor)
+                and not args[0].is_meta):
+            return args[0].to(dtype=out.dtype)
+        return out
 
 
 def leaf_paths(args: tuple, kwargs: dict) -> list[Any]:

@@ -54,6 +54,13 @@ def _parent(model: nn.Module, fqns: tuple[str, ...]) -> tuple[str, list[str]] | 
     return max(found)[1:] if found else None
 
 
+def _own_parameters(model: nn.Module, fqn: str) -> bool:
+    """``fqn`` holds parameters of its own (attention sinks, a linear attention's decay
+    ``A_log`` and ``dt_bias``): its code between its sub-modules reads them, so no
+    piece of a cut inside it could own them."""
+    return any(True for _ in model.get_submodule(fqn).parameters(recurse=False))
+
+
 def _floating_stream(record: CallRecord) -> bool:
     """Every stream argument of the call is floating point (gradients flow back)."""
     return all("float" in part.rsplit(":", 1)[-1]
@@ -97,6 +104,12 @@ def split_inner(model: nn.Module, chain, watch: Watch, what: str):
     """
     assert isinstance(chain, BlockChain) and chain.trace is not None
     parents = dict(filter(None, (_parent(model, b.fqns) for b in chain.blocks if b.layer)))
+    owning = [p for p in parents if _own_parameters(model, p)]
+    for p in owning:
+        del parents[p]
+    if owning:
+        chain = replace(chain, notes=(*chain.notes, f"some halves stay whole: {owning[0]} "
+                                      f"uses parameters of its own between its sub-modules"))
     if not parents:
         return replace(chain, notes=(*chain.notes, "halves stay whole: their modules hold "
                                      "fewer than two sub-modules with parameters"))

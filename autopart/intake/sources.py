@@ -110,6 +110,7 @@ def build_hf_model(config: Any) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
+    _refuse_non_causal(config)
     try:  # initializing meta weights does nothing but costs time (0.5 s at 48 layers)
         from transformers.initialization import no_init_weights
     except ImportError:  # pragma: no cover - older transformers
@@ -247,6 +248,22 @@ def move_outside_blocks(model: nn.Module, block_fqns: list[str], device: torch.d
 
 
 # --- private helpers ---------------------------------------------------------------------------
+
+
+def _refuse_non_causal(config: Any) -> None:
+    """One line for configs transformers has no causal LM for (encoder-only types such as
+    BERT without a decoder head, encoder-decoder types such as T5)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelSourceError(
+            f"model_type {model_type!r} is an encoder-decoder model; autopart pipelines "
+            f"decoder-only causal LMs (transformers' AutoModelForCausalLM types)")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelSourceError(
+            f"model_type {model_type!r} has no causal LM in transformers (an encoder-only or "
+            f"other non-causal type); autopart pipelines decoder-only causal LMs")
 
 
 def _config_from_dict(data: Any, where: str, auto_config: Any) -> Any:

@@ -39,9 +39,10 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
                      f"{max(x[0] for x in loads):.2f}x the mean tokens, the idlest "
                      f"{min(x[1] for x in loads):.2f}x (random weights; a trained router differs)")
     coef = getattr(config, "router_aux_loss_coef", None)
-    if loads and coef:
-        notes.append(f"router auxiliary loss (router_aux_loss_coef={coef}) is dropped: the "
-                     f"pipeline trains on the token loss only")
+    if loads and coef and getattr(config, "output_router_logits", False):
+        notes.append(f"router auxiliary loss (router_aux_loss_coef={coef}): the stages add "
+                     f"their layers' shares exactly, after a forward-only pass per step that "
+                     f"counts the whole batch's routing (not in the block times)")
     return notes
 
 

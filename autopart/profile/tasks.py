@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autopart.errors import ProfileError
 from autopart.intake import BlockChain
 from autopart.intake.blocks import example_inputs
-from autopart.intake.forward import intercept, leaf_paths, replace_leaves
+from autopart.intake.forward import KeepOffMeta, intercept, leaf_paths, replace_leaves
 from autopart.intake.hf import causal_lm_loss
 
 __all__ = []
@@ -94,7 +94,7 @@ class ForwardRunner:
 
         moved = _buffers_to(self.model, calls, self.glue_device)
         try:
-            with torch.no_grad(), intercept(self.model, calls, handler):
+            with torch.no_grad(), intercept(self.model, calls, handler), KeepOffMeta():
                 self.model(*args, **kwargs)
         finally:
             for module, name, buf in moved:

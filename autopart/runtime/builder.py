@@ -24,6 +24,7 @@ from torch import nn
 from autopart.intake import BlockChain, discover_blocks, load_model
 from autopart.intake.blocks import with_carries
 from autopart.profile.options import ProfileOptions
+from autopart.runtime.aux_loss import router_aux_loss
 from autopart.runtime.fsdp import apply_fsdp, check_fsdp, mixed_precision
 from autopart.runtime.groups import Groups, resolve_groups
 from autopart.runtime.holding import materialize_rank, share_across_ranks, tied_parameters
@@ -176,10 +177,12 @@ def _warn(setup: _Setup) -> None:
                                if isinstance(setup.source, str) else "MODEL")
     if setup.device.type == "cpu" and mismatch:
         logger.warning("%s", mismatch)
-    coef = getattr(getattr(setup.root, "config", None), "router_aux_loss_coef", None)
-    if coef and setup.builtin is not None:
-        logger.warning("router auxiliary loss (router_aux_loss_coef=%s) is dropped: the "
-                       "pipeline trains on the token loss only", coef)
+
+
+def _aux_asked(config: Any) -> bool:
+    """The HF config asks its model to add the router's load-balancing loss."""
+    return bool(getattr(config, "output_router_logits", False)
+                and (getattr(config, "router_aux_loss_coef", 0) or 0) > 0)
 
 
 def _assemble(setup: _Setup, *, autocast_dtype: torch.dtype | None, **materialize) -> \
@@ -214,13 +217,21 @@ def _assemble(setup: _Setup, *, autocast_dtype: torch.dtype | None, **materializ
     token_loss = _token_loss(setup.builtin, setup.split_head, tp, groups)
     pipe_stages = wrap_stages(stage_modules, setup.mine, len(plan.stages), setup.device,
                               groups.pp_group)
+    aux = router_aux_loss(root, stage_modules, groups.pp_group) \
+        if setup.builtin is not None else None
+    config = getattr(root, "config", None)
+    if aux is None and _aux_asked(config) and dist.get_rank() == 0:
+        logger.warning("router auxiliary loss (router_aux_loss_coef=%s) is dropped: autopart "
+                       "finds no router module recording the logits it needs (or a custom "
+                       "loss_fn is used); the pipeline trains on the token loss only",
+                       config.router_aux_loss_coef)
     schedule = build_schedule(plan, pipe_stages, token_loss or setup.custom,
                               scale_grads=token_loss is None)
     return PipelinedModel(module=module, stage_modules=stage_modules, stage_plans=setup.mine,
                           schedule=schedule, plan=plan, groups=groups, device=setup.device,
                           token_loss=token_loss, tied=tied, aliases=aliases,
                           pipe_stages=pipe_stages, tp_grad_sum=tp.grad_sum,
-                          head_split=setup.split_head, fsdp=fsdp)
+                          head_split=setup.split_head, fsdp=fsdp, aux=aux)
 
 
 def _token_loss(builtin: CausalLMLoss | None, split_head: bool, tp: TensorParallel,

@@ -12,6 +12,7 @@ unpipelined model; under tensor parallelism the split layers' parameters are
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopart.errors import RuntimeSetupError
+from autopart.runtime.aux_loss import RouterAuxLoss
 from autopart.runtime.groups import Groups, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import local_tensor, place_grads
+from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
 __all__ = ["PipelinedModel"]
@@ -60,7 +63,8 @@ class PipelinedModel:
                  tied: list[TiedWeight], aliases: dict[str, str],
                  pipe_stages: list[Any] | None = None,
                  tp_grad_sum: list[nn.Parameter] | None = None,
-                 head_split: bool = False, fsdp: bool = False) -> None:
+                 head_split: bool = False, fsdp: bool = False,
+                 aux: RouterAuxLoss | None = None) -> None:
         self.module = module
         """This rank's blocks under their original FQNs (a pruned model tree)."""
         self.config = getattr(module, "config", None)
@@ -82,6 +86,8 @@ class PipelinedModel:
         self._aliases = aliases
         self._tp_grad_sum = list(tp_grad_sum or [])
         self._fsdp = fsdp
+        self._aux = aux
+        """The router's load-balancing loss the config asks for (``autopart.runtime.aux_loss``)."""
         """Parameters are sharded over dp (FSDP): the schedule reduce-scatters gradients."""
 
     # --- training ------------------------------------------------------------------------------
@@ -102,7 +108,10 @@ class PipelinedModel:
         over several ``step`` calls would be reduced more than once). Returns the batch
         loss (built-in loss: token mean over the whole batch, all dp replicas; custom
         ``loss_fn``: the mean of the microbatch losses) on ranks holding the last stage,
-        ``None`` elsewhere. ``losses`` receives the per-microbatch losses on the last stage.
+        ``None`` elsewhere; the router's load-balancing loss is in it when the HF config asks
+        for it (``output_router_logits``, ``router_aux_loss_coef > 0``; exact, at the cost
+        of one forward-only pass per step, ``autopart.runtime.aux_loss``). ``losses``
+        receives the per-microbatch losses on the last stage.
         """
         if (self.is_last or self._head_split) and target is None:
             raise RuntimeSetupError("step() needs target= on the ranks holding the last stage "
@@ -119,8 +128,14 @@ class PipelinedModel:
         if self._head_split:  # every shard stage picks the target logits of its rows
             kw[LABELS_KWARG] = self._to_device(target)
         mb_losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=self._to_device(target) if self.is_last else None,
-                           losses=mb_losses, return_outputs=False, **kw)
+        last_target = self._to_device(target) if self.is_last else None
+        adding = contextlib.nullcontext()
+        if self._aux is not None:  # routing counts of the whole batch first (exact weights)
+            self._aux.count(lambda: self._counting_pass(args, last_target, kw), self.device)
+            adding = self._aux.adding()
+        with adding:
+            self.schedule.step(*args, target=last_target, losses=mb_losses,
+                               return_outputs=False, **kw)
         self._sync_grads()
         if losses is not None:
             losses.extend(mb_losses)
@@ -133,7 +148,25 @@ class PipelinedModel:
             dist.all_reduce(total, group=self.groups.dp_group)
             if self._token_loss is None:
                 total = total / self.groups.dp_size
+        if self._aux is not None:
+            total = total + self._aux.total.to(total.device)
         return total
+
+    def _counting_pass(self, args: tuple, target: Any, kw: dict) -> None:
+        """The schedule's forward for ``RouterAuxLoss.count``: forward-only, except under
+        split-backward schedules (zero bubble, V), whose stages torch cannot switch to
+        forward-only and back; there one whole step runs and its gradients are dropped
+        (the gradients held before it are put back)."""
+        if not schedule_info(self.plan.schedule).split_backward:
+            self.schedule.eval(*args, target=target, losses=[], return_outputs=False, **kw)
+            return
+        params = self.parameters()
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.schedule.step(*args, target=target, losses=[], return_outputs=False, **kw)
+        for p, grad in zip(params, held):
+            p.grad = grad
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so their global 2-norm is at most ``max_norm``; return the norm.

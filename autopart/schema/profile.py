@@ -143,7 +143,7 @@ class ModelInfo:
     notes: tuple[str, ...] = ()
     """One line each on how the model is served: eager attention where transformers
     has no SDPA for the family, blocks fused because no exact cut separates their
-    modules, MoE routing spread, a router auxiliary loss the pipeline does not add."""
+    modules, MoE routing spread, how the router's auxiliary loss is added."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

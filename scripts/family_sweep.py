@@ -1,0 +1,248 @@
+"""Sweep every causal-LM type transformers registers: build tiny, profile, plan, train exactly.
+
+For each type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: its default config shrunk by one
+rule (``shrink``; per-family overrides in ``OVERRIDES``, each with why), kept when the
+model runs forward and backward unpipelined on the CPU; then ``profile`` on the CPU at
+the finest level, ``plan`` for pp 2 (1F1B, 4 microbatches) and one step on 2 gloo ranks
+against the unpipelined model (loss and every gradient within 1e-5, fp32, padded
+batch), or one line saying where and why not. Writes the table, with counts, to
+``docs/families.md`` after every family (a partial run leaves a usable table).
+
+Usage: python scripts/family_sweep.py [--only TYPE ...] [--out docs/families.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+TOL = 1e-5
+SIZES = {
+    "vocab_size": 96, "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "hidden_dim": 128,
+    "num_hidden_layers": 4, "n_layer": 4, "num_layers": 4, "n_layers": 4,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
+    "n_positions": 64, "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "sliding_window": 6, "attention_chunk_size": 6,
+    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+}
+"""The one rule: every size key a config has gets this value (ids point inside the
+vocabulary); dropout, jitter and other probabilities become 0."""
+
+OVERRIDES: dict[str, tuple[dict, str]] = {
+    "gpt_oss": ({"intermediate_size": 64}, "experts' fused gate_up needs an even size"),
+    "llama4_text": ({"num_experts_per_tok": 1, "intermediate_size_mlp": 128},
+                    "its router is top-1; the dense MLP has its own size key"),
+    "deepseek_v2": ({"first_k_dense_replace": 1}, "one dense layer as in the real models"),
+    "deepseek_v3": ({"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+                    "group-limited routing needs n_group dividing the 4 experts"),
+}
+"""Per-family overrides where the rule alone cannot build a runnable model, with why."""
+
+
+def shrink(model_type: str):
+    """The default config of ``model_type`` with the rule (and its override) applied."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    for key, value in SIZES.items():
+        if hasattr(config, key) and getattr(config, key) is not None:
+            setattr(config, key, value)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key
+                                         or "jitter" in key):
+            setattr(config, key, 0.0)
+    layers = getattr(config, "num_hidden_layers", None)
+    for key in ("layer_types", "mlp_only_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, list) and layers and key == "layer_types":
+            setattr(config, key, value[:layers])
+    for key, value in OVERRIDES.get(model_type, ({}, ""))[0].items():
+        setattr(config, key, value)
+    if hasattr(config, "tie_word_embeddings"):
+        config.tie_word_embeddings = False
+    return config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{type(exc).__name__}: {text[:160]}".replace("|", "/")
+
+
+def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
+    from families import Reference, init_real
+    from runtime_helpers import exact_step, padded_batch
+
+    from autopart.intake import discover_blocks
+    from autopart.intake.sources import build_hf_model
+    from autopart.runtime.builder import tied_parameters
+
+    config = shrink(model_type)
+    torch.manual_seed(0)
+    model = init_real(build_hf_model(config))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq_len=12)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    reference = Reference(state, ids, mask, labels, out.loss.item(), grads)
+    meta = build_hf_model(shrink(model_type))
+    aliases = {b: a for a, b in tied_parameters(meta, discover_blocks(meta))}
+    result = exact_step(shrink(model_type), plan, reference, aliases, False)
+    result["ref_loss"] = reference.loss
+    return result
+
+
+def sweep_one(model_type: str) -> dict:
+    """One row: build, unpipelined run, profile, plan, exact training (or why not)."""
+    from families import init_real
+    from runtime_helpers import padded_batch, run_ranks
+
+    from autopart.intake.sources import build_hf_model
+    from autopart.profile import profile_model
+    from autopart.solve import make_plan
+
+    row = {"type": model_type, "profile": "", "plan": "", "exact": "", "level": "",
+           "reason": ""}
+    try:
+        config = shrink(model_type)
+        torch.manual_seed(0)
+        model = init_real(build_hf_model(config))
+        ids, mask, labels = padded_batch(config.vocab_size, batch=2, seq_len=12)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    except BaseException as exc:  # noqa: BLE001 - any failure is the row's reason
+        row["reason"] = f"does not run unpipelined: {_first_line(exc)}"
+        return row
+    try:
+        profile = profile_model(build_hf_model(shrink(model_type)), backend="cpu", seq_len=8,
+                                num_warmup=0, num_repeats=1)
+        row["profile"], row["level"] = "yes", profile.setup.granularity
+    except BaseException as exc:  # noqa: BLE001
+        row["profile"], row["reason"] = "no", _first_line(exc)
+        return row
+    try:
+        plan = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4)
+        row["plan"] = "yes"
+    except BaseException as exc:  # noqa: BLE001
+        row["plan"], row["reason"] = "no", _first_line(exc)
+        return row
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_ranks(_train_worker, 2, Path(tmp), model_type, plan)
+        losses = [r["loss"] for r in results if r["loss"] is not None]
+        diff = max(r["max_grad_diff"] for r in results)
+        loss_diff = abs(losses[0] - results[0]["ref_loss"])
+        ok = len(losses) == 1 and loss_diff < TOL and diff < TOL
+        row["exact"] = "yes" if ok else "no"
+        if not ok:
+            worst = max(results, key=lambda r: r["max_grad_diff"])["worst"]
+            row["reason"] = f"loss off by {loss_diff:.1e}, gradient of {worst} by {diff:.1e}"
+    except BaseException as exc:  # noqa: BLE001
+        row["exact"], row["reason"] = "no", _first_line(exc)
+    return row
+
+
+def _refused(row: dict) -> bool:
+    """autopart refused the type in one line (encoder-decoder, no causal LM)."""
+    return "encoder-decoder model" in row["reason"] or "has no causal LM" in row["reason"]
+
+
+def read_table(path: Path) -> list[dict]:
+    """The rows of a table ``write_table`` wrote (to rewrite it with ``--retable``)."""
+    keys = ("type", "profile", "plan", "exact", "level", "reason")
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[0] not in ("type", "---"):
+            rows.append(dict(zip(keys, cells)))
+    return rows
+
+
+def write_table(rows: list[dict], out: Path, total: int, seconds: float) -> None:
+    """``docs/families.md``: counts, then one row per type."""
+    refused = [r for r in rows if _refused(r)]
+    runs = [r for r in rows if not r["reason"].startswith("does not run") and not _refused(r)]
+    exact = [r for r in runs if r["exact"] == "yes"]
+    lines = [
+        "# Causal-LM families of transformers under autopart",
+        "",
+        "Written by `python scripts/family_sweep.py` (tiny configs by one rule, CPU, "
+        "2 gloo ranks, 1F1B, 4 microbatches, padded batch, fp32, tolerance 1e-5).",
+        "",
+        f"- types swept: {len(rows)} of {total} in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`"
+        + (f" ({seconds / 60:.0f} min)" if seconds else ""),
+        f"- refused in one line as encoder-decoder or non-causal: {len(refused)}",
+        f"- others not running unpipelined on the shrunk config: "
+        f"{len(rows) - len(refused) - len(runs)}",
+        f"- run unpipelined on the shrunk config: {len(runs)}",
+        f"- train exactly (loss and every gradient within 1e-5): {len(exact)} of {len(runs)}",
+        "",
+        "Overrides of the rule: " + "; ".join(f"`{k}` {v[0]} ({v[1]})"
+                                               for k, v in OVERRIDES.items()),
+        "",
+        "| type | profile | plan | exact | finest level | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['type']} | {r['profile']} | {r['plan']} | {r['exact']} | {r['level']} "
+              f"| {r['reason']} |" for r in rows]
+    out.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    """Run the sweep (see the module docstring)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="these model types only")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "families.md")
+    parser.add_argument("--retable", action="store_true",
+                        help="rewrite --out from its own rows (counts, classification)")
+    args = parser.parse_args()
+    if args.retable:
+        write_table(read_table(args.out), args.out, len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 0)
+        return 0
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    unknown = sorted(set(args.only or ()) - set(types))
+    if unknown:
+        print(f"family_sweep: not causal-LM types of transformers: {', '.join(unknown)}",
+              file=sys.stderr)
+        return 2
+    if args.only:
+        types = [t for t in types if t in args.only]
+    rows, start = [], time.time()
+    for model_type in types:
+        t0 = time.time()
+        try:
+            row = sweep_one(model_type)
+        except BaseException:  # noqa: BLE001 - the sweep goes on
+            row = {"type": model_type, "profile": "", "plan": "", "exact": "", "level": "",
+                   "reason": traceback.format_exc().strip().splitlines()[-1][:160]}
+        rows.append(row)
+        print(f"{model_type}: {row['exact'] or row['profile'] or '-'} {row['level']} "
+              f"{row['reason']} ({time.time() - t0:.0f} s)", flush=True)
+        write_table(rows, args.out, len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                    time.time() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
