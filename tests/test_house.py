@@ -46,3 +46,16 @@ def test_the_checker_finds_a_circle_and_a_deferred_one(tmp_path):
     assert check.find_circles(house.imports, packages) == [["pkg.c", "pkg.d"]]
     both = {m: house.imports[m] | house.deferred[m] for m in house.imports}
     assert check.find_circles(both, packages) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_every_package_is_shipped_by_pyproject():
+    """``pyproject.toml`` lists the packages a non-editable install ships: a new package
+    missing there imports in the checkout and fails for every user (and in CI)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "autopart").rglob("__init__.py")}
+    assert found - listed == set(), f"add {sorted(found - listed)} to pyproject.toml packages"
