@@ -2,7 +2,7 @@
 
 In a ```console block, a line starting with ``$ `` is a command; the lines after it, up to
 the next command, are its output. ``render_docs.py`` runs each page's commands in order,
-in one fresh temporary directory per page (with ``examples/`` and the repository on
+in one fresh temporary directory per page (with ``examples/`` linked into it and it on
 ``PYTHONPATH``, so ``examples.tutorial_model:transformer`` and the like resolve), and
 writes their combined stdout and stderr back in place.
 
@@ -53,8 +53,14 @@ def commands(text: str) -> list[str]:
 
 def run(cmd: str, cwd: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run one documented command in ``cwd``, the repository reachable, stderr into stdout."""
+    # ``examples`` reachable by a link in ``cwd``, not the repository root on the path: that
+    # would shadow the installed autopart with the checkout's, which lacks ``autopart.cli``
+    # (mapped from ``cli/`` at install time).
+    link = Path(cwd) / "examples"
+    if not link.exists():
+        link.symlink_to(ROOT / "examples", target_is_directory=True)
     env = dict(os.environ, COLUMNS="200", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        [cwd, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run(cmd, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
