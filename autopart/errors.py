@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "unknown_field",
     "AutopartError",
     "InfeasibleError",
     "ModelSourceError",
@@ -48,3 +49,13 @@ class InfeasibleError(PlanError):
 
 class RuntimeSetupError(AutopartError):
     """The runtime cannot run this plan here (world size, fingerprint, loss_fn, ...)."""
+
+
+def unknown_field(cls: type, fields: dict) -> tuple[str, str] | None:
+    """The first of ``fields`` that the dataclass ``cls`` does not have, and its field
+    names joined for a one-line error (``None`` when every field exists)."""
+    import dataclasses
+
+    names = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(fields) - set(names))
+    return (unknown[0], ", ".join(names)) if unknown else None

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from autopart.errors import ProfileError
+from autopart.errors import ProfileError, unknown_field
 
 __all__ = ["ProfileOptions"]
 
@@ -47,11 +47,10 @@ class ProfileOptions:
         Raises:
             ProfileError: A field that ``ProfileOptions`` does not have.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - names)
+        unknown = unknown_field(cls, fields)
         if unknown:
             raise ProfileError(f"unknown profile option {unknown[0]!r}; options are "
-                               f"{', '.join(sorted(names))}")
+                               f"{unknown[1]}")
         for key in ("layer_classes", "leaf_modules"):
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])

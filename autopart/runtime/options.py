@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import RuntimeSetupError
+from autopart.errors import RuntimeSetupError, unknown_field
 
 __all__ = ["RuntimeOptions"]
 
@@ -49,10 +49,9 @@ class RuntimeOptions:
         Raises:
             RuntimeSetupError: A field that ``RuntimeOptions`` does not have.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - names)
+        unknown = unknown_field(cls, fields)
         if unknown:
             raise RuntimeSetupError(f"unknown auto_pipeline option {unknown[0]!r}; options are "
                                     f"plan, loss_fn, options, plan_options, profile_options "
-                                    f"and {', '.join(sorted(names))}")
+                                    f"and {unknown[1]}")
         return cls(**fields) if options is None else dataclasses.replace(options, **fields)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopart.errors import PlanError, ProfileError
+from autopart.errors import PlanError, ProfileError, unknown_field
 from autopart.profile.devices import DeviceSpec, list_devices, load_device_spec, parse_backend
 from autopart.schema import ZERO_STAGES, Profile
 
@@ -128,11 +128,9 @@ class PlanOptions:
         Raises:
             PlanError: A field that ``PlanOptions`` does not have, or a bad value.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - names)
+        unknown = unknown_field(cls, fields)
         if unknown:
-            raise PlanError(f"unknown plan option {unknown[0]!r}; options are "
-                            f"{', '.join(sorted(names))}")
+            raise PlanError(f"unknown plan option {unknown[0]!r}; options are {unknown[1]}")
         for key in ("cuts", "cut_kinds", "schedule"):
             value = fields.get(key)
             if isinstance(value, Sequence) and not isinstance(value, str):
