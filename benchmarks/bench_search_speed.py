@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from solve_helpers import MIB, llama_like, make_block, make_profile  # noqa: E402
 
-from autopart.cost.stage import block_arrays, stage_cost  # noqa: E402
+from autopart.cost.blocks import block_arrays  # noqa: E402
+from autopart.cost.stage import stage_cost  # noqa: E402
 from autopart.schema import Profile, TrainingSetup  # noqa: E402
 from autopart.simulate import simulate  # noqa: E402
 from autopart.solve import make_plan  # noqa: E402

@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from autopart.cost.stage import static_bytes_per_param
+from autopart.cost.blocks import static_bytes_per_param
 from autopart.errors import PlanError
 from autopart.export import FORMATS, MODULE_NAMES, export_plan
 from autopart.jsonio import check_writable

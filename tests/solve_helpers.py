@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from autopart.cost.stage import block_arrays
+from autopart.cost.blocks import block_arrays
 from autopart.schema import (
     BlockProfile,
     ModelInfo,

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from autopart.cost.stage import block_arrays, comm_ms, stage_cost, static_bytes_per_param
+from autopart.cost.blocks import block_arrays, static_bytes_per_param
+from autopart.cost.stage import comm_ms, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.schedules import SCHEDULES, check_schedule, stage_to_rank, stages_of_rank
 from autopart.schema import (

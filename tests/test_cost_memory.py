@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopart.cost.blocks import block_arrays, checkpointed
 from autopart.cost.rank import rank_static_bytes
-from autopart.cost.stage import block_arrays, checkpointed, stage_cost
+from autopart.cost.stage import stage_cost
 from autopart.schema import (
     BlockProfile,
     ModelInfo,

@@ -9,6 +9,7 @@ import json
 import pytest
 from solve_helpers import llama_like, make_block, make_profile
 
+from autopart.cost.blocks import block_arrays, static_bytes_per_param
 from autopart.cost.mesh import (
     TP_COLLECTIVES,
     TP_EFFICIENCY,
@@ -18,14 +19,14 @@ from autopart.cost.mesh import (
     shard_profile,
     tp_collectives,
 )
-from autopart.cost.stage import block_arrays, static_bytes_per_param
 from autopart.errors import PlanError
 from autopart.profile import load_device_spec
 from autopart.profile.devices import LinkSpec
 from autopart.profile.tp_shard import shard_config
 from autopart.schedules import SCHEDULES
 from autopart.schema import BLOCK_KINDS, Plan, TrainingSetup
-from autopart.solve.mesh import mesh_sizes, plan_mesh
+from autopart.solve.mesh import plan_mesh
+from autopart.solve.mesh_shapes import mesh_sizes
 from cli.main import main
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from solve_helpers import llama_like
 
+from autopart.cost.blocks import block_arrays
 from autopart.cost.rank import shared_grad_sync_ms
-from autopart.cost.stage import StageCost, block_arrays, stage_cost
+from autopart.cost.stage import StageCost, stage_cost
 from autopart.levels import split_head
 from autopart.profile.devices import load_device_spec
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms

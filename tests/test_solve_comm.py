@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solve_helpers import brute_force, make_block, make_profile
 
-from autopart.cost.stage import block_arrays, stage_cost
+from autopart.cost.blocks import block_arrays
+from autopart.cost.stage import stage_cost
 from autopart.schedules import schedule_info
 from autopart.schema import TrainingSetup
 from autopart.simulate import simulate

@@ -10,7 +10,8 @@ import pytest
 import torch.distributed.pipelining.schedules  # noqa: F401  (torch's import cost at collection)
 from solve_helpers import MIB, llama_like, make_block, make_profile
 
-from autopart.cost.stage import block_arrays, stage_cost
+from autopart.cost.blocks import block_arrays
+from autopart.cost.stage import stage_cost
 from autopart.schema import Profile, TrainingSetup
 from autopart.simulate import simulate
 from autopart.simulate.compiled import compiled_plan

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 from solve_helpers import llama_like
 
-from autopart.cost.stage import block_arrays, stage_cost
+from autopart.cost.blocks import block_arrays
+from autopart.cost.stage import stage_cost
 from autopart.errors import PlanError
 from autopart.levels import num_shards, split_head
 from autopart.schema import Part, TrainingSetup

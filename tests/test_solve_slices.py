@@ -14,8 +14,9 @@ import dataclasses
 import pytest
 from solve_helpers import MIB, chain_of, half_of, make_block, make_profile
 
+from autopart.cost.blocks import block_arrays
 from autopart.cost.rank import rank_static_bytes, shared_grad_sync_ms
-from autopart.cost.stage import block_arrays, stage_cost
+from autopart.cost.stage import stage_cost
 from autopart.levels import CROSSING_TENSORS, at_level, slice_halves
 from autopart.schema import Part, TrainingSetup
 from autopart.solve import PlanOptions, make_plan

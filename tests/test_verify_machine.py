@@ -13,7 +13,8 @@ import json
 import pytest
 from solve_helpers import llama_like, make_block, make_profile
 
-from autopart.cost.stage import block_arrays, stage_cost
+from autopart.cost.blocks import block_arrays
+from autopart.cost.stage import stage_cost
 from autopart.errors import SchemaError
 from autopart.schema import Plan, Profile, RuntimeOverhead, TrainingSetup
 from autopart.simulate import simulate_plan

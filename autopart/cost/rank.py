@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopart.cost.stage import StageCost, static_bytes_per_param
+from autopart.cost.blocks import static_bytes_per_param
+from autopart.cost.stage import StageCost
 from autopart.schema import DTYPE_BYTES, Plan, TrainingSetup
 
 __all__ = ["rank_static_bytes", "recv_buffer_bytes", "shared_grad_sync_ms",

@@ -9,7 +9,7 @@ FQNs and runs the **model's own forward** for every microbatch, with
 * the stage's first block gets the tensors received from the previous stage in
   place of its stream arguments (``layer(h, h)`` gets the one tensor twice);
 * the stage's blocks run for real (its layers checkpointed when the plan says so,
-  by the cost model's rule ``autopart.cost.stage.checkpointed``);
+  by the cost model's rule ``autopart.cost.blocks.checkpointed``);
 * the first block after the stage stops the forward, and its stream arguments
   are what the stage sends on. The last stage returns the model's output (HF:
   the logits).
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from autopart.cost.stage import checkpointed
+from autopart.cost.blocks import checkpointed
 from autopart.intake import BlockChain
 from autopart.intake.forward import (
     StageExit,
@@ -139,7 +139,7 @@ class ForwardStage(Tree):
             module = root.get_submodule(self._calls[idx])  # meta copies before TP / FSDP
             if any(not t.is_meta for t in module.parameters()):
                 self._stand_ins[idx] = StandIn(module, self._shapes).prepare()
-        # The cost model's rule (autopart.cost.stage.checkpointed): layers only. A split half's
+        # The cost model's rule (autopart.cost.blocks.checkpointed): layers only. A split half's
         # module P is checkpointed with its C inside (C then not again); when C starts the
         # next stage, P runs until C in a checkpoint of its own (``_until``).
         self._checkpointed = ({c for b in blocks if checkpointed(b.kind) for c in b.calls}

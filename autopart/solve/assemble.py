@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopart.cost.stage import BlockArrays, StageCost, stage_cost
+from autopart.cost.blocks import BlockArrays
+from autopart.cost.stage import StageCost, stage_cost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import (
     BaselineResult,

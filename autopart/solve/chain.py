@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopart.cost.stage import BlockArrays, comm_ms
+from autopart.cost.blocks import BlockArrays
+from autopart.cost.stage import comm_ms
 from autopart.schema import TrainingSetup
 
 _REL_TOL = 1e-9

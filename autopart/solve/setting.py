@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from autopart.cost.stage import BlockArrays, StageCost, block_arrays, stage_cost
+from autopart.cost.blocks import BlockArrays, block_arrays
+from autopart.cost.stage import StageCost, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.levels import stage_ends
 from autopart.schedules import SCHEDULES, check_schedule, schedule_info
