@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,12 @@ def run(cmd: str, cwd: str, timeout: float = 600) -> subprocess.CompletedProcess
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def scrub(line: str, workdir: str) -> str:
+    """One output line as a page shows it: no work directory, the host named ``HOST``."""
+    line = line.rstrip().replace(workdir + os.sep, "")
+    return re.sub(rf"\b{re.escape(socket.gethostname())}\b", "HOST", line)
+
+
 def trim(real: list[str], shown: list[str]) -> list[str]:
     """Apply the page's ``...`` marker: keep as many head and tail lines as it shows."""
     if MARK not in shown:
@@ -85,8 +92,7 @@ def render(text: str, workdir: str) -> str:
             if done.returncode != 0:
                 sys.exit(f"render_docs: `{cmd}` exited {done.returncode}:\n"
                          f"{done.stdout[-2000:]}")
-            real = [line.rstrip().replace(workdir + os.sep, "")
-                    for line in done.stdout.splitlines()]
+            real = [scrub(line, workdir) for line in done.stdout.splitlines()]
             out += [f"$ {cmd}", *trim(real, shown)]
         return "```console\n" + "\n".join(out) + "\n```\n"
     return BLOCK.sub(block, text)

@@ -55,8 +55,9 @@ def test_documented_commands_run_and_print_their_headers(page, tmp_path):
             assert done.returncode == 0, f"{page.name}: `{cmd}` exited {done.returncode}:\n{output}"
             header = _header(shown)
             if header is not None:
-                real = _header(render_docs.trim([line.rstrip() for line in output.splitlines()],
-                                                  shown))
+                real = _header(render_docs.trim(
+                    [render_docs.scrub(line, str(tmp_path)) for line in output.splitlines()],
+                    shown))
                 assert real is not None and _mask(real) == _mask(header), (
                     f"{page.name}: `{cmd}` printed {real!r}, the page shows {header!r}; "
                     "run scripts/render_docs.py")
