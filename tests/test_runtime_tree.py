@@ -34,3 +34,22 @@ def test_materialize_only_held_blocks_and_seeded_by_position():
     assert not first[1].weight.is_meta
     assert torch.equal(first[1].weight, second[1].weight)
     assert not torch.equal(second[0].weight, second[1].weight)
+
+
+def test_initial_values_do_not_depend_on_the_granularity_or_the_block_numbering():
+    """A layer materialized as one block or as its parts, at any chain position, gets the
+    same values (each module seeded by its FQN): plans at different levels train alike."""
+    common = {"device": torch.device("cpu"), "dtype": None, "param_init_fn": None,
+              "checkpoint_path": None, "init_seed": 7, "aliases": {}}
+    whole = load_model("tiny-llama").model
+    parts = load_model("tiny-llama").model
+    materialize_blocks(whole, [(2, "model.layers.1"), (3, "model.layers.2")], **common)
+    materialize_blocks(parts, [(5, "model.layers.1.input_layernorm"),
+                               (5, "model.layers.1.self_attn"),
+                               (6, "model.layers.1.post_attention_layernorm"),
+                               (7, "model.layers.1.mlp")], **common)
+    got = dict(parts.model.layers[1].named_parameters())
+    for name, value in whole.model.layers[1].named_parameters():
+        assert torch.equal(value, got[name]), name
+    one, two = whole.model.layers[1], whole.model.layers[2]
+    assert not torch.equal(one.self_attn.q_proj.weight, two.self_attn.q_proj.weight)

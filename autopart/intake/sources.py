@@ -29,8 +29,8 @@ from torch import nn
 from autopart._data import data_path
 from autopart.errors import ModelSourceError
 
-__all__ = ["LoadedModel", "build_hf_model", "empty_on", "init_empty", "list_presets",
-           "load_model", "move_outside_blocks"]
+__all__ = ["LoadedModel", "build_hf_model", "empty_on", "init_empty", "init_empty_parameter",
+           "list_presets", "load_model", "move_outside_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,13 +197,19 @@ def init_empty(module: nn.Module, *, std: float = 0.02) -> list[str]:
         if id(p) in covered:
             continue
         uncovered.append(name)
-        if name.endswith("bias"):
-            p.zero_()
-        elif p.dim() == 1:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, std)
+        init_empty_parameter(name, p, std=std)
     return uncovered
+
+
+def init_empty_parameter(name: str, p: torch.Tensor, *, std: float = 0.02) -> None:
+    """A parameter no ``reset_parameters`` covers: zeros (a bias), ones (other 1-D
+    weights) or N(0, ``std``). Call it under ``torch.no_grad()`` with the RNG seeded."""
+    if name.endswith("bias"):
+        p.zero_()
+    elif p.dim() == 1:
+        p.fill_(1.0)
+    else:
+        p.normal_(0.0, std)
 
 
 def fill_meta_buffers(model: nn.Module) -> list[str]:

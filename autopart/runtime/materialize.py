@@ -2,9 +2,10 @@
 
 A block on the meta device gets ``to_empty`` on the target device, then its values
 from (in order of preference) a local safetensors checkpoint, the user's
-``param_init_fn``, or a default initialization seeded by the block's position so
-that the same block gets the same values whatever the plan (HF models use the
-model's own ``_init_weights``; other modules their ``reset_parameters``).
+``param_init_fn``, or a default initialization in which every module is seeded by its
+own FQN, so that a parameter gets the same values whatever the plan, its granularity
+(a layer whole or cut into halves, projections or slices) and the rank holding it (HF
+models use the model's own ``_init_weights``; other modules their ``reset_parameters``).
 Host memory never holds more than this rank's blocks.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.sources import empty_on, init_empty
+from autopart.intake.sources import empty_on, init_empty_parameter
 
 __all__ = []
 
@@ -86,7 +88,7 @@ def materialize_blocks(root: nn.Module, blocks: list[tuple[int, str]], *,
         if reader is not None:
             _load_block(module, fqn, reader, aliases)
         elif on_meta:
-            _init_block(root, module, block_idx, param_init_fn, init_seed, device)
+            _init_block(root, module, fqn, param_init_fn, init_seed, device)
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -109,25 +111,49 @@ def _load_block(module: nn.Module, fqn: str, reader: SafetensorsReader,
             tensor.copy_(value)
 
 
-def _init_block(root: nn.Module, module: nn.Module, block_idx: int,
+def _seed(init_seed: int, fqn: str) -> int:
+    """The RNG seed of the module or parameter called ``fqn``: stable across runs and ranks."""
+    return init_seed * 1_000_003 + zlib.crc32(fqn.encode())
+
+
+def _init_block(root: nn.Module, module: nn.Module, fqn: str,
                 param_init_fn: Callable[[nn.Module], None] | None, init_seed: int,
                 device: torch.device) -> None:
+    """Initialize one held module: each submodule seeded by its own FQN.
+
+    Seeding by FQN, not by the block's position in the chain, gives a parameter the same
+    values whether its layer is one block or several (``half``, ``projection``, ``slice``
+    plans number their blocks differently) and on every rank holding it.
+    """
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        torch.manual_seed(init_seed + block_idx)
         if param_init_fn is not None:
+            torch.manual_seed(_seed(init_seed, fqn))
             param_init_fn(module)
             return
         hf_init = getattr(root, "_init_weights", None)
-        if hf_init is None:
-            uncovered = init_empty(module)
-            if uncovered:
-                logger.warning("block %d (%s): no reset_parameters sets %s; they got "
-                               "zeros, ones or N(0, 0.02); pass param_init_fn or "
-                               "checkpoint_path to choose", block_idx, type(module).__name__,
-                               ", ".join(uncovered[:3]))
-        for sub in module.modules() if hf_init is not None else ():
-            hf_init(sub)
+        covered: set[int] = set()
+        for name, sub in module.named_modules(prefix=fqn):
+            torch.manual_seed(_seed(init_seed, name))
+            if hf_init is not None:
+                hf_init(sub)
+                continue
+            reset = getattr(sub, "reset_parameters", None) or \
+                getattr(sub, "_reset_parameters", None)
+            if callable(reset):
+                reset()
+                covered.update(id(p) for p in sub.parameters(recurse=False))
+        uncovered = []
+        for name, p in module.named_parameters(prefix=fqn):
+            if hf_init is not None or id(p) in covered:
+                continue
+            uncovered.append(name)
+            torch.manual_seed(_seed(init_seed, name))
+            init_empty_parameter(name, p)
+        if uncovered:
+            logger.warning("%s (%s): no reset_parameters sets %s; they got zeros, ones or "
+                           "N(0, 0.02); pass param_init_fn or checkpoint_path to choose", fqn,
+                           type(module).__name__, ", ".join(uncovered[:3]))
     if any(b.is_meta for b in module.buffers()) and param_init_fn is None:
         logger.warning("block %s has buffers that default initialization does not set; "
                        "pass param_init_fn or checkpoint_path", type(module).__name__)
