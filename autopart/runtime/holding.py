@@ -112,6 +112,6 @@ def share_across_ranks(module: nn.Module, plan: Plan, chain: BlockChain, groups:
         with torch.no_grad():
             dist.broadcast(local_tensor(param.data), src=groups.pp_global_ranks[key[0]],
                            group=made[key])
-        shared.append(TiedWeight(param=param, group=made[key],
+        shared.append(TiedWeight(name=fqn, param=param, group=made[key],
                                  counts_in_norm=groups.pp_rank == key[0]))
     return shared

@@ -48,6 +48,8 @@ def _split_groups(grad: torch.Tensor) -> tuple:
 class TiedWeight:
     """A weight held on several ranks (tied embedding/head, split head), as held on this one."""
 
+    name: str
+    """The weight's FQN in the original model."""
     param: nn.Parameter
     group: dist.ProcessGroup
     counts_in_norm: bool
@@ -286,7 +288,9 @@ class PipelinedModel:
             recompute = getattr(module, "_recompute", False)
             lines.append(f"  stage {plan.index}: {len(plan.modules)} block(s) {blocks}, "
                          f"{counts[plan.index]:,} params, recompute={recompute}")
-        for shared in self._tied:
-            lines.append(f"  {tuple(shared.param.shape)} weight held on several ranks: "
-                         f"gradient summed over them")
+        if self._tied:
+            names = [shared.name for shared in self._tied]
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                            else "")
+            lines.append(f"  held on several ranks, gradient summed over them: {shown}")
         return "\n".join(lines)
