@@ -83,12 +83,12 @@ def trim(real: list[str], shown: list[str]) -> list[str]:
     return real[:head] + [MARK] + (real[len(real) - tail:] if tail else [])
 
 
-def render(text: str, workdir: str) -> str:
+def render(text: str, workdir: str, timeout: float = 600) -> str:
     """Return ``text`` with every console block's outputs replaced by a real run's."""
     def block(match: re.Match) -> str:
         out = []
         for cmd, shown in parse_block(match.group(1)):
-            done = run(cmd, workdir)
+            done = run(cmd, workdir, timeout)
             if done.returncode != 0:
                 sys.exit(f"render_docs: `{cmd}` exited {done.returncode}:\n"
                          f"{done.stdout[-2000:]}")
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="*", type=Path)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 on a change")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds one command may take (default 600)")
     args = parser.parse_args(argv)
     changed = []
     for page in args.pages or pages():
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if not BLOCK.search(text):
             continue
         with tempfile.TemporaryDirectory() as workdir:
-            new = render(text, workdir)
+            new = render(text, workdir, args.timeout)
         if new != text:
             changed.append(page)
             if not args.check:

@@ -44,7 +44,7 @@ def test_every_page_with_console_blocks_is_found():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
 def test_documented_commands_run_and_print_their_headers(page, tmp_path):
     text = page.read_text()
