@@ -68,27 +68,31 @@ class Backend:
 
 
 class CPUBackend(Backend):
-    """Host CPU, timed with cold caches.
+    """Host CPU, timed with ``perf_counter``; optionally with cold caches.
 
-    A block measured over and over alone keeps its weights and activations in the CPU's
-    caches; inside a pipeline the rest of its stage (and the other ranks sharing the
-    last-level cache) evict them between two runs, so warm repeats ran 10-40% faster
-    than the same blocks inside a 2-rank pipeline on this project's 2-core machine.
-    Like Triton's ``do_bench``, which clears the GPU's L2 before each timed run, every
-    timed call here starts after a write over twice the last-level cache.
+    ``flush="llc"`` writes over twice the last-level cache (sysfs) before every timed call,
+    as Triton's ``do_bench`` clears the GPU's L2; ``flush="none"`` times the calls back to
+    back (warm caches). Which one transfers to a pipeline is what
+    ``scripts/timing_sweep.py`` measures (docs/timing-sweep.md).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flush: str = "none") -> None:
         super().__init__()
-        self.flush_bytes = 2 * last_level_cache_bytes()
-        self.time_source = (f"measured: time.perf_counter, caches flushed before each timed "
-                            f"call ({self.flush_bytes >> 20} MiB written)")
+        if flush not in CPU_FLUSHES:
+            raise ProfileError(f"unknown cache_flush {flush!r}; expected one of "
+                               f"{', '.join(CPU_FLUSHES)}")
+        self.flush = flush
+        self.flush_bytes = 2 * last_level_cache_bytes() if flush == "llc" else 0
+        self.time_source = ("measured: time.perf_counter, caches flushed before each timed "
+                            f"call ({self.flush_bytes >> 20} MiB written)" if self.flush_bytes
+                            else "measured: time.perf_counter, calls back to back (no flush)")
         # allocated here, never inside a measured region (memory is tracked there)
         self._flush = torch.zeros(self.flush_bytes // 4, dtype=torch.float32)
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """Milliseconds ``fn`` takes after the caches were flushed, and its result."""
-        self._flush.add_(1.0)
+        """Milliseconds ``fn`` takes (after the flush, if any), and its result."""
+        if self.flush_bytes:
+            self._flush.add_(1.0)
         return super().time(fn)
 
 
@@ -205,6 +209,8 @@ class XLABackend(Backend):
 
 
 _DEFAULT_LLC_BYTES = 32 << 20
+CPU_FLUSHES = ("none", "llc")
+"""``ProfileOptions.cache_flush`` values: no flush, or twice the last-level cache written."""
 
 
 def last_level_cache_bytes() -> int:
@@ -222,9 +228,19 @@ def last_level_cache_bytes() -> int:
     return best or _DEFAULT_LLC_BYTES
 
 
-def make_backend(name: str) -> Backend:
-    """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``)."""
-    backends = {"cpu": CPUBackend, "cuda": CUDABackend, "xla": XLABackend}
+def make_backend(name: str, cache_flush: str = "none") -> Backend:
+    """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
+
+    Args:
+        name: ``cpu``, ``cuda`` or ``xla``.
+        cache_flush: The CPU backend's flush before each timed call (``CPU_FLUSHES``).
+
+    Raises:
+        ProfileError: An unknown backend or flush.
+    """
+    if name == "cpu":
+        return CPUBackend(cache_flush)
+    backends = {"cuda": CUDABackend, "xla": XLABackend}
     if name not in backends:
         raise ProfileError(f"unknown backend {name!r}; expected cpu, cuda, xla or "
                            f"analytical:<device>")

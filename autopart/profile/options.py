@@ -39,6 +39,9 @@ class ProfileOptions:
     neighbours: int = 0
     """CPU only: other processes that profile the same model while it is measured,
     standing in for the pipeline's other ranks (``autopart profile --pp N``: ``N - 1``)."""
+    cache_flush: str = "llc"
+    """CPU only: ``none`` times each call right after the previous one; ``llc`` writes
+    over twice the last-level cache before every timed call (cold caches)."""
 
     @classmethod
     def of(cls, options: ProfileOptions | None = None, **fields: Any) -> ProfileOptions:
