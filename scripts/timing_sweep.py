@@ -48,10 +48,15 @@ import torch
 from autopart.profile import profile_model
 from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
-from autopart.verify import RunReport, RunSettings, calibrate_profile, check_machine
-from autopart.verify import load_cached_overhead, save_cached_overhead, verify_plan
-
-FAMILIES = ("llama", "qwen2", "mixtral")
+from autopart.verify import (
+    RunReport,
+    RunSettings,
+    calibrate_profile,
+    check_machine,
+    load_cached_overhead,
+    save_cached_overhead,
+    verify_plan,
+)
 
 
 @dataclass(frozen=True)
