@@ -222,3 +222,82 @@ def test_comparison_png_has_both_steps(plan, report, tmp_path):
 
     out = save_comparison_png(report, simulate_plan(plan), tmp_path / "cmp.png")
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def _with_blocks(plan, scale: dict[str, float]) -> list[RankResult]:
+    """Two synthetic ranks whose F spans are split block by block: each block's forward is
+    ``scale[block]`` x its profiled 1.0 ms (layers) and the rest of F 0.5 ms."""
+    results = []
+    for rank in range(2):
+        (stage,) = plan.stages_of_rank(rank)
+        names = list(stage.modules)
+        steps = tuple(tuple(sample for _ in range(plan.num_microbatches)
+                            for sample in [*((stage.index, n, scale.get(n, 1.0))
+                                             for n in names), (stage.index, "(rest of F)", 0.5)])
+                      for _ in range(2))
+        base = _rank_result(plan, rank, 1.0)
+        results.append(dataclasses.replace(base, block_fwd=steps))
+    return results
+
+
+def test_block_report_and_error_drivers(profile, plan):
+    """Per-block medians land in the report in stage order; the driver of a stage's forward
+    error is the block measured furthest from its profile, and the rest of F is what the
+    stage's prediction holds beyond its blocks."""
+    from autopart.verify.attribution import block_errors, error_drivers
+
+    results = _with_blocks(plan, {"model.layers.2": 4.0})
+    report = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0), results)
+    stage0 = plan.stages[0]
+    assert [b.block for b in report.blocks if b.stage == 0] == [*stage0.modules, "(rest of F)"]
+    assert RunReport.from_json(report.to_json()).blocks == report.blocks
+    errors = {(e.stage, e.block): e for e in block_errors(report, profile)}
+    by_name = {b.name: b for b in profile.blocks}
+    layer = errors[0, "model.layers.2"]
+    assert layer.predicted_fwd_ms == pytest.approx(by_name["model.layers.2"].fwd_ms)
+    assert layer.measured_fwd_ms == 4.0 and layer.delta_ms == pytest.approx(1.0 - 4.0)
+    rest = errors[0, "(rest of F)"]
+    assert rest.predicted_fwd_ms == pytest.approx(
+        stage0.fwd_ms - sum(by_name[m].fwd_ms for m in stage0.modules), abs=1e-4)
+    drivers = error_drivers(report, profile, top=2)
+    assert drivers[0][0].block == "model.layers.2" and len(drivers[0]) == 2
+    assert sorted(drivers) == [0, 1]
+
+
+def test_block_timer_splits_a_forward_at_each_block_end():
+    """A real module's forward, hooked: each block gets the time from the previous block's
+    end, the rest of F the time after the last; the samples add up to the F span."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autopart.verify.instrument import BlockTimer, StepRecorder
+
+    class Sleepy(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            return x + 1
+
+    model = nn.Sequential(Sleepy(0.02), Sleepy(0.0), Sleepy(0.01))
+    stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda mb, x: model(x))
+    recorder = StepRecorder(torch.device("cpu"))
+    recorder._wrap(stage, "forward_one_chunk", lambda a, kw: ("F", 0, a[0]))
+    plan = SimpleNamespace(index=0, modules=("0", "1", "2"))
+    timer = BlockTimer(recorder).attach(SimpleNamespace(stage_plans=[plan], module=model))
+    recorder.begin_step()
+    stage.forward_one_chunk(0, torch.zeros(2))
+    model(torch.zeros(2))  # outside any F span: not counted
+    timer.detach()
+    samples = timer.samples(0)
+    assert [name for _, name, _ in samples] == ["0", "1", "2", BlockTimer.REST]
+    (span,) = recorder.steps[0]
+    assert sum(ms for *_, ms in samples) == pytest.approx(span.end_ms - span.start_ms)
+    assert samples[0][2] >= 20 and samples[2][2] >= 10  # sleeps never end early
+    model(torch.zeros(2))
+    assert len(timer.ends[0]) == 3 + 3  # hooks removed: the last forward added nothing

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from autopart.schedules import schedule_info
 from autopart.schema import Plan
 from autopart.simulate import SimResult, simulate_plan
-from autopart.verify.report import RankReport, RunReport, StageReport, plan_digest
+from autopart.verify.report import (
+    BlockReport,
+    RankReport,
+    RunReport,
+    StageReport,
+    plan_digest,
+)
 from autopart.verify.worker import RankResult, RunSettings
 
 __all__ = []
@@ -60,7 +66,20 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         tp_size=plan.tp_size, dp_size=plan.dp_size, sequence_parallel=plan.sequence_parallel,
         zero_stage=plan.zero_stage, reshard_after_forward=plan.reshard_after_forward,
         parts=dict(plan.parts),
+        blocks=_block_reports(first),
     )
+
+
+def _block_reports(results: Sequence[RankResult]) -> tuple[BlockReport, ...]:
+    """Median forward per microbatch of every block of every stage (``BlockTimer``), in the
+    order the stages run them."""
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for r in results:
+        for step in r.block_fwd:
+            for stage, name, ms in step:
+                samples[stage, name].append(ms)
+    return tuple(BlockReport(stage=stage, block=name, measured_fwd_ms=round(_median(ms), 4))
+                 for (stage, name), ms in sorted(samples.items(), key=lambda kv: kv[0][0]))
 
 
 def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageReport, ...]:

@@ -16,6 +16,7 @@ the kernels' time, not the launch time.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,3 +112,82 @@ def _loss_label(args: tuple, kwargs: dict) -> tuple[str, int, int] | None:
     if not stage.is_last:
         return None
     return "LOSS", stage.stage_index, args[3]
+
+
+_PART_SUFFIX = re.compile(r"\.(shard|slice)\d[\w-]*$")
+
+
+def block_module_name(block: str) -> str:
+    """The module a block's forward ends in: the block's name, less a vocabulary-shard or
+    unit-slice suffix (``lm_head.shard2of46`` -> ``lm_head``)."""
+    return _PART_SUFFIX.sub("", block)
+
+
+class BlockTimer:
+    """Where each forward of this rank's stages spends its time, block by block.
+
+    A forward hook on the module each block ends in (``block_module_name``) records when
+    that block's forward finished; ``StepRecorder``'s F spans then split into the time up
+    to the first block's end, between two consecutive ends, and after the last
+    (``REST``: sending, the stage's own code). A block's figure therefore includes the
+    model's code that runs just before it (masks, rotary tables at the first block),
+    which the profile counts apart (``setup.glue_fwd_ms``). Backward is not split.
+    """
+
+    REST = "(rest of F)"
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self._recorder = recorder
+        self.ends: list[list[tuple[int, str, float]]] = []
+        """Per step of ``recorder``: (stage, block module, ms from the step's start)."""
+        self._handles: list[Any] = []
+
+    def attach(self, pipe: Any) -> BlockTimer:
+        """Hook the block modules of ``pipe``'s stages (a ``PipelinedModel``)."""
+        for plan in pipe.stage_plans:
+            seen = set()
+            for block in plan.modules:
+                name = block_module_name(block)
+                if name in seen:
+                    continue
+                seen.add(name)
+                try:
+                    module = pipe.module.get_submodule(name)
+                except AttributeError:
+                    continue
+                self._handles.append(module.register_forward_hook(
+                    functools.partial(self._end, plan.index, name)))
+        return self
+
+    def _end(self, stage: int, name: str, *_: Any) -> None:
+        recorder = self._recorder
+        if not (recorder.enabled and recorder.steps):
+            return
+        recorder._sync()
+        while len(self.ends) < len(recorder.steps):
+            self.ends.append([])
+        self.ends[len(recorder.steps) - 1].append(
+            (stage, name, 1e3 * (time.perf_counter() - recorder._t0)))
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def samples(self, step: int) -> list[tuple[int, str, float]]:
+        """(stage, block module or ``REST``, ms) of every F span of timed step ``step``."""
+        spans = self._recorder.steps[step]
+        ends = self.ends[step] if step < len(self.ends) else []
+        out = []
+        for span in spans:
+            if span.kind != "F":
+                continue
+            inside = sorted((t, name) for stage, name, t in ends
+                            if stage == span.stage_idx and span.start_ms <= t <= span.end_ms)
+            last = span.start_ms
+            for t, name in inside:
+                out.append((span.stage_idx, name, t - last))
+                last = t
+            out.append((span.stage_idx, self.REST, span.end_ms - last))
+        return out

@@ -42,6 +42,19 @@ class StageReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BlockReport:
+    """One block's forward inside its stage, measured during the run (``BlockTimer``)."""
+
+    stage: int
+    block: str
+    """The module the block's forward ends in (a head shard's or unit slice's module), or
+    ``(rest of F)``: the stage's forward after its last block (sending, the loss's input)."""
+    measured_fwd_ms: float
+    """Median per microbatch: from the previous block's end (or the F's start) to this
+    block's end, so it includes the model's code just before the block."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredMemory:
     """One rank's measured memory over a pipeline step, in bytes (``verify.memory``).
 
@@ -144,6 +157,10 @@ class RunReport(JsonFile):
     parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)
     """The plan's ``parts``: what each block of ``stages[].modules`` is a part of (for
     calibration; empty in reports written before it)."""
+    blocks: tuple[BlockReport, ...] = ()
+    """Every stage's forward split block by block (pipeline ranks of the first replica and
+    tp rank; empty in reports written before it); ``autopart.verify.attribution`` puts
+    them beside the profile."""
     schema_version: int = REPORT_SCHEMA_VERSION
 
     @property
