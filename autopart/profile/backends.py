@@ -78,9 +78,9 @@ class CPUBackend(Backend):
 
     def __init__(self, flush: str = "none") -> None:
         super().__init__()
-        if flush not in CPU_FLUSHES:
+        if flush not in CACHE_FLUSHES:
             raise ProfileError(f"unknown cache_flush {flush!r}; expected one of "
-                               f"{', '.join(CPU_FLUSHES)}")
+                               f"{', '.join(CACHE_FLUSHES)}")
         self.flush = flush
         self.flush_bytes = 2 * last_level_cache_bytes() if flush == "llc" else 0
         self.time_source = ("measured: time.perf_counter, caches flushed before each timed "
@@ -97,25 +97,42 @@ class CPUBackend(Backend):
 
 
 class CUDABackend(Backend):
-    """One CUDA GPU: CUDA events and the caching allocator's statistics."""
+    """One CUDA GPU: CUDA events and the caching allocator's statistics.
+
+    With ``flush="llc"`` every timed call starts with a cold L2, as in Triton's
+    ``do_bench``: a buffer of twice the L2 (``torch.cuda.get_device_properties``) is
+    zeroed before the start event, outside the timed region. Not yet run on a GPU.
+    """
 
     name = "cuda"
     time_source = "measured: CUDA events"
     memory_source = "measured: saved-tensor hooks + CUDA allocator peak"
 
-    def __init__(self) -> None:
+    def __init__(self, flush: str = "llc") -> None:
         if not torch.cuda.is_available():
             raise ProfileError(
                 f"backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
                 f"use --backend cpu, or analytical:h100 to estimate without a GPU")
+        if flush not in CACHE_FLUSHES:
+            raise ProfileError(f"unknown cache_flush {flush!r}; expected one of "
+                               f"{', '.join(CACHE_FLUSHES)}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
+        self.flush_bytes = (l2_flush_bytes(torch.cuda.get_device_properties(self.device))
+                            if flush == "llc" else 0)
+        if self.flush_bytes:
+            self.time_source = (f"measured: CUDA events, L2 flushed before each timed call "
+                                f"({self.flush_bytes >> 20} MiB zeroed)")
+        # allocated here, never inside a measured region (the allocator's peak is tracked)
+        self._flush = torch.empty(self.flush_bytes, dtype=torch.int8, device=self.device)
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """GPU milliseconds between two events recorded around ``fn``."""
+        """GPU milliseconds between two events recorded around ``fn`` (after the flush)."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        if self.flush_bytes:
+            self._flush.zero_()  # queued before the start event: outside the timed span
         start.record()
         out = fn()
         end.record()
@@ -209,7 +226,7 @@ class XLABackend(Backend):
 
 
 _DEFAULT_LLC_BYTES = 32 << 20
-CPU_FLUSHES = ("none", "llc")
+CACHE_FLUSHES = ("none", "llc")
 """``ProfileOptions.cache_flush`` values: no flush, or twice the last-level cache written."""
 
 
@@ -228,19 +245,30 @@ def last_level_cache_bytes() -> int:
     return best or _DEFAULT_LLC_BYTES
 
 
+def l2_flush_bytes(props: Any) -> int:
+    """Bytes to write over a GPU's L2 before a timed call: twice ``props.L2_cache_size``
+    (``torch.cuda.get_device_properties``), or 256 MiB, Triton's ``do_bench`` buffer,
+    where the property is missing or 0."""
+    l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+    return 2 * l2 if l2 > 0 else 256 << 20
+
+
 def make_backend(name: str, cache_flush: str = "none") -> Backend:
     """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
 
     Args:
         name: ``cpu``, ``cuda`` or ``xla``.
-        cache_flush: The CPU backend's flush before each timed call (``CPU_FLUSHES``).
+        cache_flush: The flush before each timed call (``CACHE_FLUSHES``): on ``cpu`` the
+            last-level cache, on ``cuda`` the L2; ``xla`` ignores it.
 
     Raises:
         ProfileError: An unknown backend or flush.
     """
     if name == "cpu":
         return CPUBackend(cache_flush)
-    backends = {"cuda": CUDABackend, "xla": XLABackend}
+    if name == "cuda":
+        return CUDABackend(cache_flush)
+    backends = {"xla": XLABackend}
     if name not in backends:
         raise ProfileError(f"unknown backend {name!r}; expected cpu, cuda, xla or "
                            f"analytical:<device>")
