@@ -296,8 +296,13 @@ def main() -> None:
             source = write_config(shape, Path(tmp))
             settings_of[shape.name] = RunSettings(model=source, steps=args.steps,
                                                   warmup=args.warmup, threads_per_rank=threads)
-            profiles = {name: take_profile(source, shape, m, threads)
-                        for name, m in zip(names, methods)}
+            profiles = {}
+            for name, method in zip(names, methods):
+                began = time.perf_counter()
+                profiles[name] = take_profile(source, shape, method, threads)
+                print(f"{shape.name:>34} profiled with {name} in "
+                      f"{time.perf_counter() - began:.0f} s, load {os.getloadavg()[0]:.2f}",
+                      flush=True)
             for schedule, v in schedules:
                 for partition in ("optimal", "even"):
                     plan = make_plan(profiles[names[0]], pp_size=2,
@@ -319,6 +324,18 @@ def main() -> None:
                 loop_rows.append(close_loop(shape, profiles[names[0]], runs, args,
                                             settings_of[shape.name]))
                 print("  loop: " + " ".join(loop_rows[-1][1:]), flush=True)
+            write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads,
+                          load_before, start, final=False)
+    write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads,
+                  load_before, start, final=True)
+
+
+def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple,
+                  threads: int, names: list[str], runs: list[Run],
+                  loop_rows: list[list[str]], loads: list[float],
+                  load_before: tuple[float, ...], start: float, final: bool) -> None:
+    """Write the markdown (``--out``) and JSON (``--json``) of the runs so far (after each
+    shape, so a sweep cut short keeps what it measured); print them when ``final``."""
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - start
     header = ["method", "runs", "step", "stage F", "stage B", "speed-up", "memory"]
@@ -329,7 +346,8 @@ def main() -> None:
             f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps; "
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
-            f"({os.cpu_count()} cores); {elapsed:.0f} s.",
+            f"({os.cpu_count()} cores); {elapsed:.0f} s"
+            f"{'' if final else f'; cut short after {len(runs)} runs'}.",
             "",
             "|error| median / p90 / worst (prediction - measured) / measured:", "",
             markdown_table(header, summary)]
@@ -346,7 +364,8 @@ def main() -> None:
     if loop_rows:
         text += ["", "Verify -> calibrate -> replan -> verify (1F1B):", "", markdown_table(
             ["shape", "first plan err", "replanned pred ms", "meas ms", "err"], loop_rows)]
-    print("\n".join(text))
+    if final:
+        print("\n".join(text))
     if args.out:
         Path(args.out).write_text("\n".join(text) + "\n")
     if args.json:
@@ -357,6 +376,7 @@ def main() -> None:
                        "measured_step_ms": r.report.measured_step_ms,
                        "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
              "loop": loop_rows}, indent=1))
+
 
 
 def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.Namespace,

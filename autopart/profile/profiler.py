@@ -130,7 +130,9 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
         transformers_version=_transformers_version(),
         num_warmup=0 if backend.startswith("analytical") else num_warmup,
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
-        time_source=engine.time_source, memory_source=engine.memory_source,
+        time_source=engine.time_source + (f", beside {neighbours} busy neighbour process(es)"
+                                          if neighbours else ""),
+        memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(), glue_fwd_ms=round(glue_ms, 4),
         head_grad_ms=round(head_grad, 6),
         load_average=() if backend.startswith("analytical") else (load_before, load_after),
