@@ -181,11 +181,16 @@ def run_errors(run: Run, method: str) -> dict[str, list[float]]:
     plan, report = run.predicted[method], run.report
     out: dict[str, list[float]] = {
         "step": [rel(plan.predicted_step_ms, report.measured_step_ms)], "F": [], "B": [],
+        "F cpu": [], "B cpu": [],
         "memory": [rel(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes)
                    for r in report.ranks]}
     for stage, measured in zip(plan.stages, report.stages):
         out["F"].append(rel(stage.fwd_ms, measured.measured_fwd_ms))
         out["B"].append(rel(stage.bwd_ms, measured.measured_bwd_ms))
+        if measured.measured_fwd_cpu_ms:
+            out["F cpu"].append(rel(stage.fwd_ms, measured.measured_fwd_cpu_ms))
+        if measured.measured_bwd_cpu_ms:
+            out["B cpu"].append(rel(stage.bwd_ms, measured.measured_bwd_cpu_ms))
     return out
 
 
@@ -218,7 +223,8 @@ def summary_rows(runs: list[Run], methods: list[str]) -> list[list[str]]:
     """One row per method: the distributions of each error over every run."""
     rows = []
     for method in methods:
-        pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "memory": []}
+        pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "F cpu": [],
+                                          "B cpu": [], "memory": []}
         for run in runs:
             if method in run.predicted:
                 for key, values in run_errors(run, method).items():
@@ -226,6 +232,7 @@ def summary_rows(runs: list[Run], methods: list[str]) -> list[list[str]]:
         speed = [rel(p, m) for _, _, m, p in speedup_errors(runs, method)]
         rows.append([method, str(len(pooled["step"])), distribution(pooled["step"]),
                      distribution(pooled["F"]), distribution(pooled["B"]),
+                     distribution(pooled["F cpu"]), distribution(pooled["B cpu"]),
                      distribution(speed), distribution(pooled["memory"])])
     return rows
 
@@ -338,7 +345,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     shape, so a sweep cut short keeps what it measured); print them when ``final``."""
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - start
-    header = ["method", "runs", "step", "stage F", "stage B", "speed-up", "memory"]
+    header = ["method", "runs", "step", "stage F", "stage B", "stage F vs CPU time",
+              "stage B vs CPU time", "speed-up", "memory"]
     summary = summary_rows(runs, names)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
@@ -349,7 +357,10 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             f"({os.cpu_count()} cores); {elapsed:.0f} s"
             f"{'' if final else f'; cut short after {len(runs)} runs'}.",
             "",
-            "|error| median / p90 / worst (prediction - measured) / measured:", "",
+            "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "
+            "time\": against the stage's thread CPU time, which a rank descheduled by other "
+            "load does not accrue; cpu/busy: the lowest rank's CPU time over its compute "
+            "spans (1: never descheduled):", "",
             markdown_table(header, summary)]
     for name in names:
         text += ["", f"Runs, predicted from the profile taken with {name}:", "",

@@ -301,3 +301,22 @@ def test_block_timer_splits_a_forward_at_each_block_end():
     assert samples[0][2] >= 20 and samples[2][2] >= 10  # sleeps never end early
     model(torch.zeros(2))
     assert len(timer.ends[0]) == 3 + 3  # hooks removed: the last forward added nothing
+
+
+def test_stage_cpu_time_is_the_median_of_each_microbatchs_spans(plan):
+    """Each span's thread CPU time, given as half its length: the stage's forward (F + loss
+    on the last stage) and full backward CPU figures are half the measured medians; a
+    report without CPU times keeps ``None``."""
+    results = []
+    for rank, scale in ((0, 2.0), (1, 3.0)):
+        base = _rank_result(plan, rank, scale)
+        cpu = tuple(tuple(0.5 * (end - start) for _, _, _, start, end in step)
+                    for step in base.spans)
+        results.append(dataclasses.replace(base, span_cpu_ms=cpu))
+    report = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0), results)
+    for stage in report.stages:
+        assert stage.measured_fwd_cpu_ms == pytest.approx(0.5 * stage.measured_fwd_ms)
+        assert stage.measured_bwd_cpu_ms == pytest.approx(0.5 * stage.measured_bwd_ms)
+    bare = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0),
+                        [_rank_result(plan, 0, 2.0), _rank_result(plan, 1, 3.0)])
+    assert all(s.measured_fwd_cpu_ms is None for s in bare.stages)

@@ -85,16 +85,25 @@ def _block_reports(results: Sequence[RankResult]) -> tuple[BlockReport, ...]:
 def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageReport, ...]:
     """Median F (+ loss), B, W, full backward per stage over every timed step and microbatch."""
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    cpu: dict[tuple[str, int], list[float]] = defaultdict(list)
     for r in results:
-        for step in r.spans:
+        for i, step in enumerate(r.spans):
+            cpu_of = r.span_cpu_ms[i] if i < len(r.span_cpu_ms) else ()
             fwd: dict[tuple[int, int], float] = defaultdict(float)
-            for kind, stage, mb, start, end in step:
+            fwd_cpu: dict[tuple[int, int], float] = defaultdict(float)
+            bwd_cpu: dict[tuple[int, int], float] = defaultdict(float)
+            for j, (kind, stage, mb, start, end) in enumerate(step):
                 if kind in ("F", "LOSS"):
                     fwd[stage, mb] += end - start
                 elif kind in _COMPUTE:
                     samples[kind, stage].append(end - start)
+                if j < len(cpu_of) and kind in _COMPUTE:
+                    (fwd_cpu if kind in ("F", "LOSS") else bwd_cpu)[stage, mb] += cpu_of[j]
             for (stage, _), ms in fwd.items():
                 samples["F", stage].append(ms)
+            for key, table in (("F", fwd_cpu), ("BW", bwd_cpu)):
+                for (stage, _), ms in table.items():
+                    cpu[key, stage].append(ms)
     split = schedule_info(plan.schedule).split_backward
     reports = []
     for s in plan.stages:
@@ -110,7 +119,9 @@ def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageRepo
             predicted_bwd_input_ms=s.bwd_input_ms,
             measured_bwd_input_ms=b if split and samples["B", s.index] else None,
             predicted_bwd_weight_ms=s.bwd_weight_ms,
-            measured_bwd_weight_ms=w if split and samples["W", s.index] else None))
+            measured_bwd_weight_ms=w if split and samples["W", s.index] else None,
+            measured_fwd_cpu_ms=_median(cpu["F", s.index]) if cpu["F", s.index] else None,
+            measured_bwd_cpu_ms=_median(cpu["BW", s.index]) if cpu["BW", s.index] else None))
     return tuple(reports)
 
 

@@ -39,6 +39,9 @@ class Span:
     """-1 for ``WAIT``."""
     start_ms: float
     end_ms: float
+    cpu_ms: float = 0.0
+    """CPU time of the calling thread during the call (``time.thread_time``): below the
+    span's length when the rank was descheduled by other work on its cores."""
 
 
 class StepRecorder:
@@ -95,12 +98,12 @@ class StepRecorder:
             if tag is None:
                 return original(*args, **kwargs)
             self._sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             out = original(*args, **kwargs)
             self._sync()
-            end = time.perf_counter()
+            end, cpu = time.perf_counter(), time.thread_time() - cpu
             self.steps[-1].append(Span(tag[0], tag[1], int(tag[2]), 1e3 * (start - self._t0),
-                                       1e3 * (end - self._t0)))
+                                       1e3 * (end - self._t0), 1e3 * cpu))
             return out
 
         setattr(owner, name, timed)

@@ -39,6 +39,12 @@ class StageReport:
     """B alone; measured only under split-backward (zero-bubble) schedules."""
     predicted_bwd_weight_ms: float = 0.0
     measured_bwd_weight_ms: float | None = None
+    measured_fwd_cpu_ms: float | None = None
+    """The forward's CPU time (the ranks' compute thread), median per microbatch: beside
+    ``measured_fwd_ms`` it shows how much of the span the rank was descheduled by other
+    work (``None`` in reports written before it)."""
+    measured_bwd_cpu_ms: float | None = None
+    """The same for the full backward (B + W)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

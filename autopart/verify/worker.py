@@ -100,6 +100,8 @@ class RankResult:
     """Data-parallel replica of this process (0 without data parallelism)."""
     tp_rank: int = 0
     """Tensor-parallel rank of this process (0 without tensor parallelism)."""
+    span_cpu_ms: tuple[tuple[float, ...], ...] = ()
+    """Per timed step, the thread CPU time of each span of ``spans``, in the same order."""
     block_fwd: tuple[tuple[tuple[int, str, float], ...], ...] = ()
     """Per timed step, (stage, block module, ms) of every F span split by ``BlockTimer``."""
 
@@ -172,6 +174,8 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
         step_ms=tuple(step_ms[timed]), optimizer_ms=tuple(optimizer_ms[timed]),
         cpu_ms=tuple(cpu_ms[timed]),
         spans=tuple(tuple(_span_row(s) for s in step) for step in recorder.steps[timed]),
+        span_cpu_ms=tuple(tuple(round(s.cpu_ms, 4) for s in step)
+                          for step in recorder.steps[timed]),
         memory=memory, memory_method=CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
         device=_device_name(device), num_threads=torch.get_num_threads(),
         dp_rank=pipe.groups.dp_rank, tp_rank=pipe.groups.tp_rank,
