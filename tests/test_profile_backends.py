@@ -121,5 +121,17 @@ def test_cpu_backend_without_flush_writes_nothing():
     backend = CPUBackend("none")
     assert backend.flush_bytes == 0 and backend._flush.numel() == 0
     assert "no flush" in backend.time_source
-    with pytest.raises(ProfileError, match="unknown cache_flush 'l3'"):
+    with pytest.raises(ProfileError, match="unknown cache_flush .l3.; expected auto"):
         CPUBackend("l3")
+
+
+def test_auto_flush_is_none_on_cpu_and_an_unknown_flush_is_refused():
+    from autopart.errors import ProfileError
+    from autopart.profile.backends import AUTO_FLUSH, make_backend
+
+    assert AUTO_FLUSH == {"cpu": "none", "cuda": "llc"}
+    assert make_backend("cpu").flush_bytes == 0
+    assert make_backend("cpu", "auto").flush_bytes == 0
+    assert make_backend("cpu", "llc").flush_bytes > 0
+    with pytest.raises(ProfileError, match="expected auto, none or llc"):
+        make_backend("cpu", "l2")

@@ -79,8 +79,8 @@ class CPUBackend(Backend):
     def __init__(self, flush: str = "none") -> None:
         super().__init__()
         if flush not in CACHE_FLUSHES:
-            raise ProfileError(f"unknown cache_flush {flush!r}; expected one of "
-                               f"{', '.join(CACHE_FLUSHES)}")
+            raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
+                               f"{' or '.join(CACHE_FLUSHES)}")
         self.flush = flush
         self.flush_bytes = 2 * last_level_cache_bytes() if flush == "llc" else 0
         self.time_source = ("measured: time.perf_counter, caches flushed before each timed "
@@ -115,8 +115,8 @@ class CUDABackend(Backend):
                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
                 f"use --backend cpu, or analytical:h100 to estimate without a GPU")
         if flush not in CACHE_FLUSHES:
-            raise ProfileError(f"unknown cache_flush {flush!r}; expected one of "
-                               f"{', '.join(CACHE_FLUSHES)}")
+            raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
+                               f"{' or '.join(CACHE_FLUSHES)}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
         self.flush_bytes = (l2_flush_bytes(torch.cuda.get_device_properties(self.device))
@@ -227,7 +227,13 @@ class XLABackend(Backend):
 
 _DEFAULT_LLC_BYTES = 32 << 20
 CACHE_FLUSHES = ("none", "llc")
-"""``ProfileOptions.cache_flush`` values: no flush, or twice the last-level cache written."""
+"""What a backend does before each timed call: nothing, or twice the last-level cache
+written (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
+``AUTO_FLUSH``)."""
+AUTO_FLUSH = {"cpu": "none", "cuda": "llc"}
+"""``cache_flush="auto"`` per backend. On CPU, blocks timed back to back predicted a
+2-rank pipeline's stages better than cold-cache timing, and cost a fraction of the
+profiling time (docs/timing-sweep.md); on CUDA, an L2 flush as Triton's ``do_bench``."""
 
 
 def last_level_cache_bytes() -> int:
@@ -253,17 +259,20 @@ def l2_flush_bytes(props: Any) -> int:
     return 2 * l2 if l2 > 0 else 256 << 20
 
 
-def make_backend(name: str, cache_flush: str = "none") -> Backend:
+def make_backend(name: str, cache_flush: str = "auto") -> Backend:
     """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
 
     Args:
         name: ``cpu``, ``cuda`` or ``xla``.
-        cache_flush: The flush before each timed call (``CACHE_FLUSHES``): on ``cpu`` the
-            last-level cache, on ``cuda`` the L2; ``xla`` ignores it.
+        cache_flush: The flush before each timed call (``CACHE_FLUSHES`` or ``auto``,
+            ``AUTO_FLUSH``): on ``cpu`` the last-level cache, on ``cuda`` the L2; ``xla``
+            ignores it.
 
     Raises:
         ProfileError: An unknown backend or flush.
     """
+    if cache_flush == "auto":
+        cache_flush = AUTO_FLUSH.get(name, "none")
     if name == "cpu":
         return CPUBackend(cache_flush)
     if name == "cuda":

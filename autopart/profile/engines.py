@@ -107,7 +107,7 @@ class AnalyticalEngine:
 
 
 def make_engine(backend: str, dtype: str, num_warmup: int, num_repeats: int,
-                cache_flush: str = "none") -> MeasuringEngine | AnalyticalEngine:
+                cache_flush: str = "auto") -> MeasuringEngine | AnalyticalEngine:
     """The engine for a validated backend string (``cache_flush``: the CPU backend's)."""
     name = parse_backend(backend)
     if name.device is not None:
