@@ -83,8 +83,8 @@ def test_two_rank_run_reports_every_stage(files, capsys, monkeypatch):
     assert "blocks driving each stage's forward error" in out
     for stage in report.stages:
         names = [b.block for b in report.blocks if b.stage == stage.index]
-        assert names == [*dict.fromkeys(block_module_name(m) for m in stage.modules),
-                         BlockTimer.REST], names
+        assert names == [BlockTimer.OUTSIDE,
+                         *dict.fromkeys(block_module_name(m) for m in stage.modules)], names
     assert all(b.measured_fwd_ms >= 0 for b in report.blocks)
     assert sorted(error_drivers(report, Profile.load(files["profile"]))) == [0, 1]
     calibrated = json.loads((root / "calibrated.json").read_text())

@@ -4,9 +4,10 @@
 (``RunReport.blocks``, from ``BlockTimer``). Given the profile the plan was made from,
 ``block_errors`` puts each block's measured forward beside its profiled one, and
 ``error_drivers`` orders them by how many milliseconds they add to (or take from) the
-stage's forward error. The rest of the stage's forward (its prediction: the model's
-code between blocks, the runtime's per-action cost; measured: after the last block) is
-one more row, ``(rest of F)``. Backward is not split: its error is the stage's alone.
+stage's forward error. What the stage's forward spends outside its blocks (predicted:
+the model's code between blocks and the runtime's per-action cost; measured: before its
+first block starts) is one more row, ``(outside blocks)``. Backward is not split: its
+error is the stage's alone.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class BlockError:
 
     stage: int
     block: str
-    """The module the block's forward ends in, or ``(rest of F)``."""
+    """The block (a part of a module's call: that module), or ``(outside blocks)``."""
     predicted_fwd_ms: float
     measured_fwd_ms: float
 
@@ -67,7 +68,7 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
             key = (stage.index, block_module_name(name))
             predicted[key] = predicted.get(key, 0.0) + ms
             total += ms
-        predicted[stage.index, BlockTimer.REST] = max(stage.predicted_fwd_ms - total, 0.0)
+        predicted[stage.index, BlockTimer.OUTSIDE] = max(stage.predicted_fwd_ms - total, 0.0)
     return tuple(BlockError(stage=b.stage, block=b.block,
                             predicted_fwd_ms=round(predicted.get((b.stage, b.block), 0.0), 4),
                             measured_fwd_ms=b.measured_fwd_ms) for b in report.blocks)

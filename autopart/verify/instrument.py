@@ -129,47 +129,52 @@ def block_module_name(block: str) -> str:
 class BlockTimer:
     """Where each forward of this rank's stages spends its time, block by block.
 
-    A forward hook on the module each block ends in (``block_module_name``) records when
-    that block's forward finished; ``StepRecorder``'s F spans then split into the time up
-    to the first block's end, between two consecutive ends, and after the last
-    (``REST``: sending, the stage's own code). A block's figure therefore includes the
-    model's code that runs just before it (masks, rotary tables at the first block),
-    which the profile counts apart (``setup.glue_fwd_ms``). Backward is not split.
+    A forward pre-hook on each block's first call (``block_starts`` of the stage module,
+    else the module the block is a part of: ``block_module_name``) records when the
+    block's forward starts; ``StepRecorder``'s F spans then split into the time before
+    the first block (``OUTSIDE``: the stage's own code, the model's code before its first
+    block such as masks and rotary tables, and the stand-ins of earlier stages' blocks)
+    and each block's time from its start to the next block's (the last one's to the
+    end of the F). Backward is not split.
     """
 
-    REST = "(rest of F)"
+    OUTSIDE = "(outside blocks)"
 
     def __init__(self, recorder: StepRecorder) -> None:
         self._recorder = recorder
-        self.ends: list[list[tuple[int, str, float]]] = []
-        """Per step of ``recorder``: (stage, block module, ms from the step's start)."""
+        self.starts: list[list[tuple[int, str, float]]] = []
+        """Per step of ``recorder``: (stage, block, ms from the step's start)."""
         self._handles: list[Any] = []
 
     def attach(self, pipe: Any) -> BlockTimer:
-        """Hook the block modules of ``pipe``'s stages (a ``PipelinedModel``)."""
-        for plan in pipe.stage_plans:
+        """Hook the first calls of the blocks of ``pipe``'s stages (a ``PipelinedModel``)."""
+        stage_modules = list(getattr(pipe, "stage_modules", None) or [None] * len(
+            pipe.stage_plans))
+        for plan, stage_module in zip(pipe.stage_plans, stage_modules):
+            starts = getattr(stage_module, "block_starts", None) or {}
             seen = set()
             for block in plan.modules:
-                name = block_module_name(block)
-                if name in seen:
+                label = block_module_name(block)
+                call = starts.get(block, label)
+                if call in seen:
                     continue
-                seen.add(name)
+                seen.add(call)
                 try:
-                    module = pipe.module.get_submodule(name)
+                    module = pipe.module.get_submodule(call)
                 except AttributeError:
                     continue
-                self._handles.append(module.register_forward_hook(
-                    functools.partial(self._end, plan.index, name)))
+                self._handles.append(module.register_forward_pre_hook(
+                    functools.partial(self._start, plan.index, label)))
         return self
 
-    def _end(self, stage: int, name: str, *_: Any) -> None:
+    def _start(self, stage: int, name: str, *_: Any) -> None:
         recorder = self._recorder
         if not (recorder.enabled and recorder.steps):
             return
         recorder._sync()
-        while len(self.ends) < len(recorder.steps):
-            self.ends.append([])
-        self.ends[len(recorder.steps) - 1].append(
+        while len(self.starts) < len(recorder.steps):
+            self.starts.append([])
+        self.starts[len(recorder.steps) - 1].append(
             (stage, name, 1e3 * (time.perf_counter() - recorder._t0)))
 
     def detach(self) -> None:
@@ -179,18 +184,17 @@ class BlockTimer:
         self._handles.clear()
 
     def samples(self, step: int) -> list[tuple[int, str, float]]:
-        """(stage, block module or ``REST``, ms) of every F span of timed step ``step``."""
+        """(stage, block or ``OUTSIDE``, ms) of every F span of timed step ``step``."""
         spans = self._recorder.steps[step]
-        ends = self.ends[step] if step < len(self.ends) else []
+        starts = self.starts[step] if step < len(self.starts) else []
         out = []
         for span in spans:
             if span.kind != "F":
                 continue
-            inside = sorted((t, name) for stage, name, t in ends
+            inside = sorted((t, name) for stage, name, t in starts
                             if stage == span.stage_idx and span.start_ms <= t <= span.end_ms)
-            last = span.start_ms
-            for t, name in inside:
-                out.append((span.stage_idx, name, t - last))
-                last = t
-            out.append((span.stage_idx, self.REST, span.end_ms - last))
+            ends = [t for t, _ in inside[1:]] + [span.end_ms]
+            out.append((span.stage_idx, self.OUTSIDE,
+                        (inside[0][0] if inside else span.end_ms) - span.start_ms))
+            out += [(span.stage_idx, name, end - t) for (t, name), end in zip(inside, ends)]
         return out

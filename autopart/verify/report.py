@@ -53,11 +53,12 @@ class BlockReport:
 
     stage: int
     block: str
-    """The module the block's forward ends in (a head shard's or unit slice's module), or
-    ``(rest of F)``: the stage's forward after its last block (sending, the loss's input)."""
+    """The block (a head shard or unit slice: the module it is a part of), or ``(outside
+    blocks)``: the stage's forward before its first block starts (the stage's own code,
+    the model's code before its first block, earlier stages' stand-ins)."""
     measured_fwd_ms: float
-    """Median per microbatch: from the previous block's end (or the F's start) to this
-    block's end, so it includes the model's code just before the block."""
+    """Median per microbatch: from the block's start to the next block's (the last block's
+    to the end of the forward)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
