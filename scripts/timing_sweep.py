@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from autopart.errors import PlanError
 from autopart.profile import profile_model
 from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
@@ -200,7 +201,8 @@ def speedup_errors(runs: list[Run], method: str) -> list[tuple[str, str, float, 
     rows = []
     for (shape, schedule, partition), opt in by_key.items():
         even = by_key.get((shape, schedule, "even"))
-        if partition != "optimal" or even is None:
+        if partition != "optimal" or even is None or not (
+                method in opt.predicted and method in even.predicted):
             continue
         measured = even.report.measured_step_ms / opt.report.measured_step_ms
         predicted = (even.predicted[method].predicted_step_ms
@@ -248,6 +250,8 @@ def run_rows(runs: list[Run], method: str) -> list[list[str]]:
     """Every run under ``method``: predicted, measured, step error, worst stage errors."""
     rows = []
     for run in runs:
+        if method not in run.predicted:
+            continue
         errors = run_errors(run, method)
         plan = run.predicted[method]
         rows.append([run.shape, run.schedule, run.partition,
@@ -318,7 +322,10 @@ def main() -> None:
                     report = verify_plan(plan, settings_of[shape.name])
                     run = Run(shape.name, schedule, partition, report, {names[0]: plan})
                     for name in names[1:]:
-                        run.predicted[name] = same_cuts(profiles[name], plan)
+                        try:
+                            run.predicted[name] = same_cuts(profiles[name], plan)
+                        except PlanError as exc:  # e.g. slices of two K: --cuts refuses them
+                            print(f"  {name}: cannot predict the same cuts ({exc})", flush=True)
                     runs.append(run)
                     loads.append(os.getloadavg()[0])
                     print(f"{shape.name:>34} {schedule:>16} {partition:>7}: predicted "
@@ -385,6 +392,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
              "loads": loads, "summary": summary,
              "runs": [{"shape": r.shape, "schedule": r.schedule, "partition": r.partition,
                        "measured_step_ms": r.report.measured_step_ms,
+                       "cpu_share": cpu_share(r.report),
                        "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
              "loop": loop_rows}, indent=1))
 
