@@ -70,6 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-flush", default="auto", choices=("auto", "none", "llc"),
                    help="before each timed call: auto (cpu: none, cuda: llc), none (back to "
                         "back), llc (write over twice the last-level cache, the GPU's L2)")
+    p.add_argument("--clock", default="wall", choices=("wall", "thread"),
+                   help="wall (perf_counter), or on cpu with one thread: the thread's CPU "
+                        "time, which waiting for a core on a shared machine does not add to")
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help="CPU: neighbour processes busy while measuring (default: N - 1 with "
                         "--pp N, else 0; 0 measures alone)")
@@ -118,7 +121,7 @@ def profile_options(args: argparse.Namespace) -> ProfileOptions:
         dtype=args.dtype, num_warmup=args.warmup, num_repeats=args.repeats,
         layer_classes=tuple(args.layer_class) if args.layer_class else None,
         granularity=args.granularity, neighbours=_neighbours(args),
-        cache_flush=args.cache_flush)
+        cache_flush=args.cache_flush, clock=args.clock)
 
 
 def _neighbours(args: argparse.Namespace) -> int:

@@ -18,8 +18,8 @@ per-rank memory error, with the 1-minute load average before and after.
 ``--methods`` compares profiling methods on the same runs: the plans come from the first
 method; each other method profiles the model again and predicts the same plans (same
 cuts, schedule, v and m) from its own profile, so every method is judged against the
-same measurements. A method is ``FLUSH:NEIGHBOURS`` (``ProfileOptions.cache_flush`` and
-``neighbours``), e.g. ``llc:1,none:1,none:0``.
+same measurements. A method is ``FLUSH:NEIGHBOURS[:CLOCK]`` (``ProfileOptions.cache_flush``,
+``neighbours`` and ``clock``), e.g. ``llc:1,none:1,none:0,none:1:thread``.
 
 ``--loop`` closes the loop on each shape: the 1F1B plan's run is folded into the
 profile (``calibrate_profile``), a new plan is made from it and run, and its step error
@@ -126,21 +126,26 @@ def _round8(n: int) -> int:
     return max(8, (n + 7) // 8 * 8)
 
 
-def parse_methods(text: str) -> list[tuple[str, int]]:
-    """``"llc:1,none:0"`` -> ``[("llc", 1), ("none", 0)]``; exits 2 on a bad entry."""
+def parse_methods(text: str) -> list[tuple[str, int, str]]:
+    """``"llc:1,none:0:thread"`` -> ``[("llc", 1, "wall"), ("none", 0, "thread")]``; exits
+    2 on a bad entry."""
     methods = []
     for item in text.split(","):
-        flush, _, count = item.strip().partition(":")
-        if flush not in ("llc", "none") or not count.isdigit():
-            sys.exit(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS with FLUSH llc "
-                     f"or none, e.g. llc:1")
-        methods.append((flush, int(count)))
+        flush, count, *clock = item.strip().split(":")
+        if (flush not in ("llc", "none") or not count.isdigit() or len(clock) > 1
+                or (clock and clock[0] not in ("wall", "thread"))):
+            print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
+                  f"llc or none, CLOCK wall or thread, e.g. llc:1", file=sys.stderr)
+            sys.exit(2)
+        methods.append((flush, int(count), clock[0] if clock else "wall"))
     return methods
 
 
-def method_name(method: tuple[str, int]) -> str:
-    """``("none", 1)`` -> ``"flush none, 1 neighbour(s)"``."""
-    return f"flush {method[0]}, {method[1]} neighbour(s)"
+def method_name(method: tuple[str, int, str]) -> str:
+    """``("none", 1, "wall")`` -> ``"flush none, 1 neighbour(s)"`` (the clock when not
+    wall)."""
+    clock = "" if method[2] == "wall" else f", {method[2]} clock"
+    return f"flush {method[0]}, {method[1]} neighbour(s){clock}"
 
 
 def write_config(shape: Shape, folder: Path) -> str:
@@ -152,13 +157,14 @@ def write_config(shape: Shape, folder: Path) -> str:
     return str(path / "config.json")
 
 
-def take_profile(source: str, shape: Shape, method: tuple[str, int], threads: int) -> Profile:
+def take_profile(source: str, shape: Shape, method: tuple[str, int, str],
+                 threads: int) -> Profile:
     """``autopart profile SOURCE --pp 2`` with this method's flush and neighbours, the
     cached machine check attached as the CLI does."""
     torch.set_num_threads(threads)
     profile = profile_model(source, backend="cpu", seq_len=shape.seq,
                             micro_batch_size=shape.mbs, cache_flush=method[0],
-                            neighbours=method[1])
+                            neighbours=method[1], clock=method[2])
     check = load_cached_overhead("gloo", threads)
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)

@@ -135,3 +135,23 @@ def test_auto_flush_is_none_on_cpu_and_an_unknown_flush_is_refused():
     assert make_backend("cpu", "llc").flush_bytes > 0
     with pytest.raises(ProfileError, match="expected auto, none or llc"):
         make_backend("cpu", "l2")
+
+
+def test_thread_clock_counts_cpu_time_only_and_needs_one_thread(monkeypatch):
+    """A sleeping call accrues no thread CPU time (it would be its whole length on the wall
+    clock); with more than one torch thread the thread clock is refused in one line."""
+    import time
+
+    from autopart.errors import ProfileError
+    from autopart.profile.backends import make_backend
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    backend = make_backend("cpu", "none", "thread")
+    assert "time.thread_time" in backend.time_source
+    ms, out = backend.time(lambda: time.sleep(0.05) or 5)
+    assert out == 5 and 0 <= ms < 25  # a sleep is not CPU time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with pytest.raises(ProfileError, match="torch runs 2 threads; profile with --threads 1"):
+        make_backend("cpu", "none", "thread")
+    with pytest.raises(ProfileError, match="clock 'thread' is for the cpu backend"):
+        make_backend("xla", "auto", "thread")

@@ -124,3 +124,15 @@ def test_cache_flush_flag_reaches_the_options(argv, expected):
     cmd_profile.add_parser(parser.add_subparsers())
     args = parser.parse_args(["profile", "m", *argv])
     assert cmd_profile.profile_options(args).cache_flush == expected
+
+
+def test_clock_flag_reaches_the_options():
+    import argparse
+
+    from cli import cmd_profile
+
+    parser = argparse.ArgumentParser()
+    cmd_profile.add_parser(parser.add_subparsers())
+    assert cmd_profile.profile_options(parser.parse_args(["profile", "m"])).clock == "wall"
+    args = parser.parse_args(["profile", "m", "--clock", "thread"])
+    assert cmd_profile.profile_options(args).clock == "thread"

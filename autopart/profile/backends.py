@@ -76,8 +76,15 @@ class CPUBackend(Backend):
     ``scripts/timing_sweep.py`` measures (docs/timing-sweep.md).
     """
 
-    def __init__(self, flush: str = "none") -> None:
+    def __init__(self, flush: str = "none", clock: str = "wall") -> None:
         super().__init__()
+        if clock not in CLOCKS:
+            raise ProfileError(f"unknown clock {clock!r}; expected {' or '.join(CLOCKS)}")
+        if clock == "thread" and torch.get_num_threads() > 1:
+            raise ProfileError(f"clock 'thread' times the calling thread only, but torch runs "
+                               f"{torch.get_num_threads()} threads; profile with --threads 1 "
+                               f"(or --pp N on N cores) or with the wall clock")
+        self.clock = clock
         if flush not in CACHE_FLUSHES:
             raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
                                f"{' or '.join(CACHE_FLUSHES)}")
@@ -86,14 +93,23 @@ class CPUBackend(Backend):
         self.time_source = ("measured: time.perf_counter, caches flushed before each timed "
                             f"call ({self.flush_bytes >> 20} MiB written)" if self.flush_bytes
                             else "measured: time.perf_counter, calls back to back (no flush)")
+        if clock == "thread":
+            self.time_source = self.time_source.replace(
+                "time.perf_counter", "time.thread_time (the thread's CPU time)")
         # allocated here, never inside a measured region (memory is tracked there)
         self._flush = torch.zeros(self.flush_bytes // 4, dtype=torch.float32)
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """Milliseconds ``fn`` takes (after the flush, if any), and its result."""
+        """Milliseconds ``fn`` takes (after the flush, if any), and its result: wall time,
+        or with ``clock="thread"`` the calling thread's CPU time, which a process waiting
+        for a core on a shared machine does not accrue."""
         if self.flush_bytes:
             self._flush.add_(1.0)
-        return super().time(fn)
+        if self.clock == "wall":
+            return super().time(fn)
+        start = time.thread_time()
+        out = fn()
+        return (time.thread_time() - start) * 1e3, out
 
 
 class CUDABackend(Backend):
@@ -231,6 +247,9 @@ CACHE_FLUSHES = ("none", "llc")
 written (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
 ``AUTO_FLUSH``)."""
 AUTO_FLUSH = {"cpu": "none", "cuda": "llc"}
+CLOCKS = ("wall", "thread")
+"""``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
+time."""
 """``cache_flush="auto"`` per backend. On CPU, blocks timed back to back predicted a
 2-rank pipeline's stages better than cold-cache timing, and cost a fraction of the
 profiling time (docs/timing-sweep.md); on CUDA, an L2 flush as Triton's ``do_bench``."""
@@ -259,7 +278,7 @@ def l2_flush_bytes(props: Any) -> int:
     return 2 * l2 if l2 > 0 else 256 << 20
 
 
-def make_backend(name: str, cache_flush: str = "auto") -> Backend:
+def make_backend(name: str, cache_flush: str = "auto", clock: str = "wall") -> Backend:
     """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
 
     Args:
@@ -267,6 +286,7 @@ def make_backend(name: str, cache_flush: str = "auto") -> Backend:
         cache_flush: The flush before each timed call (``CACHE_FLUSHES`` or ``auto``,
             ``AUTO_FLUSH``): on ``cpu`` the last-level cache, on ``cuda`` the L2; ``xla``
             ignores it.
+        clock: ``wall``, or ``thread`` (cpu only: the thread's CPU time).
 
     Raises:
         ProfileError: An unknown backend or flush.
@@ -274,7 +294,10 @@ def make_backend(name: str, cache_flush: str = "auto") -> Backend:
     if cache_flush == "auto":
         cache_flush = AUTO_FLUSH.get(name, "none")
     if name == "cpu":
-        return CPUBackend(cache_flush)
+        return CPUBackend(cache_flush, clock)
+    if clock != "wall":
+        raise ProfileError(f"clock {clock!r} is for the cpu backend; {name} times with its "
+                           f"own clock (use clock 'wall')")
     if name == "cuda":
         return CUDABackend(cache_flush)
     backends = {"xla": XLABackend}

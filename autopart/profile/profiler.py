@@ -102,7 +102,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
     chain = discover_blocks(model, layer_classes=layer_classes, leaf_modules=leaf_modules,
                             granularity=granularity)
     check_shapes(loaded, chain, seq_len, backend, dtype)
-    engine = make_engine(backend, dtype, num_warmup, num_repeats, opts.cache_flush)
+    engine = make_engine(backend, dtype, num_warmup, num_repeats, opts.cache_flush,
+                         opts.clock)
     torch_dtype = TORCH_DTYPES[dtype]
     fork = [engine.device.index or 0] if engine.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):
