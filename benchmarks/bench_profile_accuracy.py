@@ -19,6 +19,7 @@ Run: ``/work/venv/bin/python benchmarks/bench_profile_accuracy.py [--threads 1]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -59,15 +60,18 @@ def time_whole_model(config, seq_len: int, warmup: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def time_blocks(config, seq_len: int, warmup: int, repeats: int) -> float:
-    """Sum over blocks of the profiled fwd_ms + bwd_ms."""
+def time_blocks(config, seq_len: int, warmup: int, repeats: int,
+                cache_flush: str | None = None) -> float:
+    """Sum over blocks of the profiled fwd_ms + bwd_ms (``cache_flush``: the profile's
+    ``ProfileOptions.cache_flush``, its default when ``None``)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     loaded = LoadedModel(model=model, name="bench-llama", source="bench", config=config)
+    flush = {} if cache_flush is None else {"cache_flush": cache_flush}
     profile = profile_model(loaded, backend="cpu", seq_len=seq_len, num_warmup=warmup,
-                            num_repeats=repeats)
+                            num_repeats=repeats, **flush)
     return sum(b.fwd_ms + b.bwd_ms for b in profile.blocks)
 
 
@@ -81,22 +85,30 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cache-flush", default="default",
+                        help="comma-separated ProfileOptions.cache_flush values to compare in "
+                             "the same rounds (none, llc; default: the profile's default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = make_config(args.hidden, args.layers, args.vocab, args.seq_len)
-    whole, blocks = [], []
+    flushes = [None if f == "default" else f for f in args.cache_flush.split(",")]
+    whole: list[float] = []
+    blocks: dict[str | None, list[float]] = {f: [] for f in flushes}
     for _ in range(args.rounds):
         whole.append(time_whole_model(config, args.seq_len, 3, args.repeats))
-        blocks.append(time_blocks(config, args.seq_len, 3, args.repeats))
-    w, b = statistics.median(whole), statistics.median(blocks)
-    ratio = statistics.median(x / y for x, y in zip(blocks, whole, strict=True))
+        for flush in flushes:
+            blocks[flush].append(time_blocks(config, args.seq_len, 3, args.repeats, flush))
     print(f"config: llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
           f"seq {args.seq_len}, mbs 1, float32, {args.threads} thread(s), {args.rounds} rounds")
     print(f"{'measure':<34}{'ms':>10}")
-    print(f"{'whole model fwd+loss+bwd':<34}{w:>10.2f}")
-    print(f"{'sum of per-block fwd+bwd':<34}{b:>10.2f}")
-    print(f"ratio (blocks / whole), median over rounds: {ratio:.3f}  (target 0.85 .. 1.15)")
-    print(f"rounds whole: {[round(x, 2) for x in whole]}  blocks: {[round(x, 2) for x in blocks]}")
+    print(f"{'whole model fwd+loss+bwd':<34}{statistics.median(whole):>10.2f}")
+    for flush, sums in blocks.items():
+        ratio = statistics.median(x / y for x, y in zip(sums, whole, strict=True))
+        label = f"sum of per-block fwd+bwd ({flush or 'default flush'})"
+        print(f"{label:<34}{statistics.median(sums):>10.2f}")
+        print(f"  ratio (blocks / whole), median over rounds: {ratio:.3f}  (target 0.85 .. 1.15)"
+              f"; rounds {[round(x, 2) for x in sums]}")
+    print(f"rounds whole: {[round(x, 2) for x in whole]}; load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "cores / N threads, what each rank gets (--threads wins), while N - 1 "
                         "neighbour processes profile the same model, as the other ranks will "
                         "load the CPU")
+    p.add_argument("--cache-flush", default="auto", choices=("auto", "none", "llc"),
+                   help="before each timed call: auto (cpu: none, cuda: llc), none (back to "
+                        "back), llc (write over twice the last-level cache, the GPU's L2)")
+    p.add_argument("--clock", default="wall", choices=("wall", "thread"),
+                   help="wall (perf_counter), or on cpu with one thread: the thread's CPU "
+                        "time, which waiting for a core on a shared machine does not add to")
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help="CPU: neighbour processes busy while measuring (default: N - 1 with "
                         "--pp N, else 0; 0 measures alone)")
@@ -114,7 +120,8 @@ def profile_options(args: argparse.Namespace) -> ProfileOptions:
         backend=args.backend, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
         dtype=args.dtype, num_warmup=args.warmup, num_repeats=args.repeats,
         layer_classes=tuple(args.layer_class) if args.layer_class else None,
-        granularity=args.granularity, neighbours=_neighbours(args))
+        granularity=args.granularity, neighbours=_neighbours(args),
+        cache_flush=args.cache_flush, clock=args.clock)
 
 
 def _neighbours(args: argparse.Namespace) -> int:

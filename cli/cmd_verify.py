@@ -29,6 +29,7 @@ from autopart.verify import (
     verify_plan,
     write_comparison_trace,
 )
+from autopart.verify.attribution import error_drivers
 from autopart.verify.comparison import save_comparison_png
 from autopart.verify.report import report_thread_mismatch
 
@@ -60,15 +61,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="draw the measured and the predicted step one above the other "
                         "(needs matplotlib: pip install 'autopart[plot]')")
     p.add_argument("--profile", default=None, metavar="PROFILE",
-                   help="the profile the plan was made from (for --calibrated-profile)")
+                   help="the profile the plan was made from: print which blocks drive each "
+                        "stage's forward error (and needed by --calibrated-profile)")
     p.add_argument("--calibrated-profile", default=None, metavar="OUT",
                    help="write PROFILE with the measured stage times folded in")
 
 
 def run(args: argparse.Namespace) -> int:
     """Verify, print the comparison, write the requested files."""
-    if bool(args.profile) != bool(args.calibrated_profile):
-        raise RuntimeSetupError("--profile and --calibrated-profile go together; give both")
+    if args.calibrated_profile and not args.profile:
+        raise RuntimeSetupError("--calibrated-profile needs --profile (the profile the plan "
+                                "was made from); give both")
     for path in (args.json, args.trace, args.calibrated_profile, args.png):
         if path:
             check_writable(path)  # before the run, not after
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         save_comparison_png(report, simulate_plan(plan), args.png)
         console.print(f"timelines (measured above predicted) written to {args.png}")
     if profile is not None:
+        print_drivers(report, profile, console)
+    if args.calibrated_profile:
         calibrate_profile(profile, report, plan, source=args.json or "").save(
             args.calibrated_profile)
         console.print(f"calibrated profile written to {args.calibrated_profile}")
@@ -154,6 +159,27 @@ def print_report(report: RunReport, console: Console) -> None:
     mismatch = report_thread_mismatch(report)
     if mismatch:
         console.print(f"warning: {mismatch}", highlight=False, soft_wrap=True)
+
+
+def print_drivers(report: RunReport, profile: Profile, console: Console) -> None:
+    """One line per stage: the blocks whose measured forward is furthest from the profile's.
+
+    Args:
+        report: The run, with its per-block forwards.
+        profile: The profile the plan was made from.
+    """
+    drivers = error_drivers(report, profile)
+    if not drivers:
+        console.print("no per-block forward in this run report (written before verify "
+                      "recorded it)")
+        return
+    console.print("blocks driving each stage's forward error (ms per microbatch, profiled -> "
+                  "measured inside the stage; backward is not split):", highlight=False)
+    for s in report.stages:
+        rows = ", ".join(f"{e.block} {e.predicted_fwd_ms:.2f} -> {e.measured_fwd_ms:.2f} "
+                         f"({e.delta_ms:+.2f})" for e in drivers.get(s.index, ()))
+        console.print(f"  stage {s.index} (F {_err(s.predicted_fwd_ms, s.measured_fwd_ms)}): "
+                      f"{rows}", highlight=False, soft_wrap=True)
 
 
 def _err(predicted: float, measured: float | None) -> str:

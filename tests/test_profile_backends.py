@@ -58,7 +58,7 @@ def test_cpu_times_every_call_after_writing_over_twice_the_last_level_cache():
 
     llc = last_level_cache_bytes()
     assert llc >= 1 << 20
-    backend = CPUBackend()
+    backend = CPUBackend("llc")
     assert backend.flush_bytes == 2 * llc
     assert backend._flush.numel() * 4 == backend.flush_bytes
     before = float(backend._flush[-1])
@@ -73,3 +73,85 @@ def test_last_level_cache_falls_back_where_sysfs_says_nothing(monkeypatch):
 
     monkeypatch.setattr(backends.glob, "glob", lambda pattern: [])
     assert backends.last_level_cache_bytes() == 32 << 20
+
+
+def test_cuda_l2_flush_is_twice_the_l2_and_runs_before_the_start_event(monkeypatch):
+    """No GPU here: the flush's size comes from the device properties, and ``time`` zeroes
+    the buffer before recording the start event (events and buffer stand-ins log order)."""
+    from types import SimpleNamespace
+
+    from autopart.profile import backends
+
+    assert backends.l2_flush_bytes(SimpleNamespace(L2_cache_size=50 << 20)) == 100 << 20
+    assert backends.l2_flush_bytes(SimpleNamespace()) == 256 << 20
+    order, made = [], []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            self.name = "end" if made else "start"
+            made.append(self)
+
+        def record(self) -> None:
+            order.append(f"{self.name} recorded")
+
+        def synchronize(self) -> None:
+            order.append(f"{self.name} synchronized")
+
+        def elapsed_time(self, other) -> float:
+            return 1.5
+
+    monkeypatch.setattr(backends.torch.cuda, "Event", Event)
+    backend = object.__new__(backends.CUDABackend)
+    backend.flush_bytes = 8
+    backend._flush = SimpleNamespace(zero_=lambda: order.append("flush"))
+    ms, out = backend.time(lambda: order.append("fn") or 3)
+    assert (ms, out) == (1.5, 3)
+    assert order == ["flush", "start recorded", "fn", "end recorded", "end synchronized"]
+    order.clear()
+    made.clear()
+    backend.flush_bytes = 0
+    backend.time(lambda: order.append("fn"))
+    assert "flush" not in order
+
+
+def test_cpu_backend_without_flush_writes_nothing():
+    from autopart.errors import ProfileError
+    from autopart.profile.backends import CPUBackend
+
+    backend = CPUBackend("none")
+    assert backend.flush_bytes == 0 and backend._flush.numel() == 0
+    assert "no flush" in backend.time_source
+    with pytest.raises(ProfileError, match="unknown cache_flush .l3.; expected auto"):
+        CPUBackend("l3")
+
+
+def test_auto_flush_is_none_on_cpu_and_an_unknown_flush_is_refused():
+    from autopart.errors import ProfileError
+    from autopart.profile.backends import AUTO_FLUSH, make_backend
+
+    assert AUTO_FLUSH == {"cpu": "none", "cuda": "llc"}
+    assert make_backend("cpu").flush_bytes == 0
+    assert make_backend("cpu", "auto").flush_bytes == 0
+    assert make_backend("cpu", "llc").flush_bytes > 0
+    with pytest.raises(ProfileError, match="expected auto, none or llc"):
+        make_backend("cpu", "l2")
+
+
+def test_thread_clock_counts_cpu_time_only_and_needs_one_thread(monkeypatch):
+    """A sleeping call accrues no thread CPU time (it would be its whole length on the wall
+    clock); with more than one torch thread the thread clock is refused in one line."""
+    import time
+
+    from autopart.errors import ProfileError
+    from autopart.profile.backends import make_backend
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    backend = make_backend("cpu", "none", "thread")
+    assert "time.thread_time" in backend.time_source
+    ms, out = backend.time(lambda: time.sleep(0.05) or 5)
+    assert out == 5 and 0 <= ms < 25  # a sleep is not CPU time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with pytest.raises(ProfileError, match="torch runs 2 threads; profile with --threads 1"):
+        make_backend("cpu", "none", "thread")
+    with pytest.raises(ProfileError, match="clock 'thread' is for the cpu backend"):
+        make_backend("xla", "auto", "thread")

@@ -111,3 +111,28 @@ def test_bad_neighbours_is_one_line_and_exit_2(argv, capsys):
     assert main(["profile", "tiny-llama", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "--neighbours" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "auto"), (["--cache-flush", "llc"], "llc"),
+                                                (["--cache-flush", "none"], "none")])
+def test_cache_flush_flag_reaches_the_options(argv, expected):
+    import argparse
+
+    from cli import cmd_profile
+
+    parser = argparse.ArgumentParser()
+    cmd_profile.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["profile", "m", *argv])
+    assert cmd_profile.profile_options(args).cache_flush == expected
+
+
+def test_clock_flag_reaches_the_options():
+    import argparse
+
+    from cli import cmd_profile
+
+    parser = argparse.ArgumentParser()
+    cmd_profile.add_parser(parser.add_subparsers())
+    assert cmd_profile.profile_options(parser.parse_args(["profile", "m"])).clock == "wall"
+    args = parser.parse_args(["profile", "m", "--clock", "thread"])
+    assert cmd_profile.profile_options(args).clock == "thread"

@@ -166,3 +166,37 @@ def test_workspace_counts_only_what_exceeds_the_freed_saved_activations():
     # A workspace while everything is still saved counts whole.
     live.events = [(1, 100), (2, 50), (4, 120), (4, -120)]
     assert coinciding_workspace(live, {1: 100, 2: 50}, in_key=None, exclude=set()) == 120
+
+
+class _CountingAllocator:
+    """A stand-in for the CUDA backend on CPU: ``allocator_peak`` is the peak of the bytes
+    allocated above the start while ``fn`` runs, from the live-tensor log, as
+    ``max_memory_allocated - memory_allocated`` reports it on a GPU."""
+
+    name = "cuda"
+
+    def allocator_peak(self, fn) -> int:
+        live = LiveTensors()
+        with live:
+            fn()
+        current = peak = 0
+        for _, delta in live.events:
+            current += delta
+            peak = max(peak, current)
+        return peak
+
+
+def test_adopted_gradients_are_measured_beside_an_allocator_peak():
+    """On CUDA the workspace is the allocator's peak, and the weights' gradients in it come
+    from a second forward + backward under the live-tensor log, as on CPU (they were 0 on
+    CUDA before). Linear(200, 300) with a fixed output gradient: the workspace is its
+    weight and bias gradients, all of it adopted by ``.grad``."""
+    lin = nn.Linear(200, 300)
+    x = torch.randn(2, 16, 200)
+    allocator = memory_pass(_task(lin, x), _CountingAllocator())
+    lin.zero_grad(set_to_none=True)
+    log = memory_pass(_task(lin, x))
+    grads = (200 * 300 + 300) * 4
+    assert allocator.transient_bytes == log.transient_bytes
+    assert allocator.adopted_grad_bytes == log.adopted_grad_bytes == grads
+    assert allocator.activation_bytes == log.activation_bytes == x.numel() * 4

@@ -36,5 +36,6 @@ def test_neighbours_are_for_the_cpu_backend():
 def test_profile_with_a_busy_neighbour_records_it_and_stops_it():
     profile = profile_model("tiny-llama", neighbours=1, **FAST)
     assert profile.setup.neighbours == 1
+    assert profile.setup.time_source.endswith("beside 1 busy neighbour process(es)")
     assert all(b.fwd_ms > 0 for b in profile.blocks)
     assert not multiprocessing.active_children()  # the neighbour was stopped and joined

@@ -22,6 +22,8 @@ from autopart.verify.report import MeasuredMemory
 from autopart.verify.worker import RankResult
 from cli.main import main
 
+OUTSIDE = "(outside blocks)"
+"""``BlockTimer.OUTSIDE``."""
 REQUIRED = ("predicted_step_ms", "measured_step_ms", "schema_version", "plan_fingerprint",
             "steps", "memory_method", "device", "stages", "ranks")
 
@@ -222,3 +224,106 @@ def test_comparison_png_has_both_steps(plan, report, tmp_path):
 
     out = save_comparison_png(report, simulate_plan(plan), tmp_path / "cmp.png")
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def _with_blocks(plan, scale: dict[str, float]) -> list[RankResult]:
+    """Two synthetic ranks whose F spans are split block by block: each block's forward is
+    ``scale[block]`` x its profiled 1.0 ms (layers) and the time outside blocks 0.5 ms."""
+    results = []
+    for rank in range(2):
+        (stage,) = plan.stages_of_rank(rank)
+        names = list(stage.modules)
+        steps = tuple(tuple(sample for _ in range(plan.num_microbatches)
+                            for sample in [(stage.index, OUTSIDE, 0.5),
+                                           *((stage.index, n, scale.get(n, 1.0))
+                                             for n in names)])
+                      for _ in range(2))
+        base = _rank_result(plan, rank, 1.0)
+        results.append(dataclasses.replace(base, block_fwd=steps))
+    return results
+
+
+def test_block_report_and_error_drivers(profile, plan):
+    """Per-block medians land in the report in stage order; the driver of a stage's forward
+    error is the block measured furthest from its profile, and outside blocks is what the
+    stage's prediction holds beyond its blocks."""
+    from autopart.verify.attribution import block_errors, error_drivers
+
+    results = _with_blocks(plan, {"model.layers.2": 4.0})
+    report = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0), results)
+    stage0 = plan.stages[0]
+    assert [b.block for b in report.blocks if b.stage == 0] == [OUTSIDE, *stage0.modules]
+    assert RunReport.from_json(report.to_json()).blocks == report.blocks
+    errors = {(e.stage, e.block): e for e in block_errors(report, profile)}
+    by_name = {b.name: b for b in profile.blocks}
+    layer = errors[0, "model.layers.2"]
+    assert layer.predicted_fwd_ms == pytest.approx(by_name["model.layers.2"].fwd_ms)
+    assert layer.measured_fwd_ms == 4.0 and layer.delta_ms == pytest.approx(1.0 - 4.0)
+    rest = errors[0, OUTSIDE]
+    assert rest.predicted_fwd_ms == pytest.approx(
+        stage0.fwd_ms - sum(by_name[m].fwd_ms for m in stage0.modules), abs=1e-4)
+    drivers = error_drivers(report, profile, top=2)
+    assert drivers[0][0].block == "model.layers.2" and len(drivers[0]) == 2
+    assert sorted(drivers) == [0, 1]
+
+
+def test_block_timer_splits_a_forward_at_each_block_start():
+    """A real module's forward, hooked: each block gets the time from its first call's start
+    to the next block's (the last one's to the end of the F), the time before the first
+    block is outside blocks; the samples add up to the F span. Block ``a`` starts at
+    module ``0`` (the stage module's ``block_starts``)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autopart.verify.instrument import BlockTimer, StepRecorder
+
+    class Sleepy(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            return x + 1
+
+    model = nn.Sequential(Sleepy(0.02), Sleepy(0.0), Sleepy(0.01))
+    stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda mb, x: model(x))
+    recorder = StepRecorder(torch.device("cpu"))
+    recorder._wrap(stage, "forward_one_chunk", lambda a, kw: ("F", 0, a[0]))
+    plan = SimpleNamespace(index=0, modules=("a", "1", "2"))
+    pipe = SimpleNamespace(stage_plans=[plan], module=model,
+                           stage_modules=[SimpleNamespace(block_starts={"a": "0"})])
+    timer = BlockTimer(recorder).attach(pipe)
+    recorder.begin_step()
+    stage.forward_one_chunk(0, torch.zeros(2))
+    model(torch.zeros(2))  # outside any F span: not counted
+    timer.detach()
+    samples = timer.samples(0)
+    assert [name for _, name, _ in samples] == [BlockTimer.OUTSIDE, "a", "1", "2"]
+    (span,) = recorder.steps[0]
+    assert sum(ms for *_, ms in samples) == pytest.approx(span.end_ms - span.start_ms)
+    assert samples[1][2] >= 20 and samples[3][2] >= 10  # sleeps never end early
+    model(torch.zeros(2))
+    assert len(timer.starts[0]) == 3 + 3  # hooks removed: the last forward added nothing
+
+
+def test_stage_cpu_time_is_the_median_of_each_microbatchs_spans(plan):
+    """Each span's thread CPU time, given as half its length: the stage's forward (F + loss
+    on the last stage) and full backward CPU figures are half the measured medians; a
+    report without CPU times keeps ``None``."""
+    results = []
+    for rank, scale in ((0, 2.0), (1, 3.0)):
+        base = _rank_result(plan, rank, scale)
+        cpu = tuple(tuple(0.5 * (end - start) for _, _, _, start, end in step)
+                    for step in base.spans)
+        results.append(dataclasses.replace(base, span_cpu_ms=cpu))
+    report = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0), results)
+    for stage in report.stages:
+        assert stage.measured_fwd_cpu_ms == pytest.approx(0.5 * stage.measured_fwd_ms)
+        assert stage.measured_bwd_cpu_ms == pytest.approx(0.5 * stage.measured_bwd_ms)
+    bare = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0),
+                        [_rank_result(plan, 0, 2.0), _rank_result(plan, 1, 3.0)])
+    assert all(s.measured_fwd_cpu_ms is None for s in bare.stages)

@@ -13,9 +13,11 @@ import json
 import pytest
 
 from autopart.profile import profile_model
-from autopart.schema import Plan
+from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
 from autopart.verify import RunReport, verify_plan
+from autopart.verify.attribution import error_drivers
+from autopart.verify.instrument import BlockTimer, block_module_name
 from cli import cmd_verify
 from cli.main import main
 
@@ -77,6 +79,14 @@ def test_two_rank_run_reports_every_stage(files, capsys, monkeypatch):
     assert {"F", "BW", "LOSS"} <= kinds
     trace = json.loads((root / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {0, 1}
+    # every stage's forward split block by block, and the drivers printed beside the profile
+    assert "blocks driving each stage's forward error" in out
+    for stage in report.stages:
+        names = [b.block for b in report.blocks if b.stage == stage.index]
+        assert names == [BlockTimer.OUTSIDE,
+                         *dict.fromkeys(block_module_name(m) for m in stage.modules)], names
+    assert all(b.measured_fwd_ms >= 0 for b in report.blocks)
+    assert sorted(error_drivers(report, Profile.load(files["profile"]))) == [0, 1]
     calibrated = json.loads((root / "calibrated.json").read_text())
     assert calibrated["calibration"]["measured_step_ms"] == pytest.approx(
         report.measured_step_ms)
@@ -146,7 +156,7 @@ def test_plan_for_another_model(files, capsys):
     assert "another model" in _one_line_error(capsys)
 
 
-def test_profile_needs_calibrated_profile(files, capsys):
-    assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--profile",
-                 str(files["profile"])]) == 2
-    assert "go together" in _one_line_error(capsys)
+def test_calibrated_profile_needs_profile(files, capsys):
+    assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--calibrated-profile",
+                 str(files["root"] / "out.json")]) == 2
+    assert "needs --profile" in _one_line_error(capsys)

@@ -22,8 +22,8 @@ W is always ``bwd_ms - bwd_input_ms`` (see ``autopart.profile.measure``); attent
 on meta is counted as flash attention (see ``autopart.profile.analytical``). Two
 memory figures for the schedule's timeline: ``held_for_weight_bytes`` (what torch's
 split B keeps for W, on every backend, on meta where no storage is real) and
-``adopted_grad_bytes`` (the weight gradients in the workspace; cpu and meta, 0 on
-cuda).
+``adopted_grad_bytes`` (the weight gradients in the workspace, from the live-tensor
+log on every backend; on cuda beside the allocator's workspace, not yet run on a GPU).
 """
 
 from typing import Any

@@ -68,50 +68,87 @@ class Backend:
 
 
 class CPUBackend(Backend):
-    """Host CPU, timed with cold caches.
+    """Host CPU, timed with ``perf_counter``; optionally with cold caches.
 
-    A block measured over and over alone keeps its weights and activations in the CPU's
-    caches; inside a pipeline the rest of its stage (and the other ranks sharing the
-    last-level cache) evict them between two runs, so warm repeats ran 10-40% faster
-    than the same blocks inside a 2-rank pipeline on this project's 2-core machine.
-    Like Triton's ``do_bench``, which clears the GPU's L2 before each timed run, every
-    timed call here starts after a write over twice the last-level cache.
+    ``flush="llc"`` writes over twice the last-level cache (sysfs) before every timed call,
+    as Triton's ``do_bench`` clears the GPU's L2; ``flush="none"`` times the calls back to
+    back (warm caches). Which one transfers to a pipeline is what
+    ``scripts/timing_sweep.py`` measures (docs/timing-sweep.md).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flush: str = "none", clock: str = "wall") -> None:
         super().__init__()
-        self.flush_bytes = 2 * last_level_cache_bytes()
-        self.time_source = (f"measured: time.perf_counter, caches flushed before each timed "
-                            f"call ({self.flush_bytes >> 20} MiB written)")
+        if clock not in CLOCKS:
+            raise ProfileError(f"unknown clock {clock!r}; expected {' or '.join(CLOCKS)}")
+        if clock == "thread" and torch.get_num_threads() > 1:
+            raise ProfileError(f"clock 'thread' times the calling thread only, but torch runs "
+                               f"{torch.get_num_threads()} threads; profile with --threads 1 "
+                               f"(or --pp N on N cores) or with the wall clock")
+        self.clock = clock
+        if flush not in CACHE_FLUSHES:
+            raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
+                               f"{' or '.join(CACHE_FLUSHES)}")
+        self.flush = flush
+        self.flush_bytes = 2 * last_level_cache_bytes() if flush == "llc" else 0
+        self.time_source = ("measured: time.perf_counter, caches flushed before each timed "
+                            f"call ({self.flush_bytes >> 20} MiB written)" if self.flush_bytes
+                            else "measured: time.perf_counter, calls back to back (no flush)")
+        if clock == "thread":
+            self.time_source = self.time_source.replace(
+                "time.perf_counter", "time.thread_time (the thread's CPU time)")
         # allocated here, never inside a measured region (memory is tracked there)
         self._flush = torch.zeros(self.flush_bytes // 4, dtype=torch.float32)
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """Milliseconds ``fn`` takes after the caches were flushed, and its result."""
-        self._flush.add_(1.0)
-        return super().time(fn)
+        """Milliseconds ``fn`` takes (after the flush, if any), and its result: wall time,
+        or with ``clock="thread"`` the calling thread's CPU time, which a process waiting
+        for a core on a shared machine does not accrue."""
+        if self.flush_bytes:
+            self._flush.add_(1.0)
+        if self.clock == "wall":
+            return super().time(fn)
+        start = time.thread_time()
+        out = fn()
+        return (time.thread_time() - start) * 1e3, out
 
 
 class CUDABackend(Backend):
-    """One CUDA GPU: CUDA events and the caching allocator's statistics."""
+    """One CUDA GPU: CUDA events and the caching allocator's statistics.
+
+    With ``flush="llc"`` every timed call starts with a cold L2, as in Triton's
+    ``do_bench``: a buffer of twice the L2 (``torch.cuda.get_device_properties``) is
+    zeroed before the start event, outside the timed region. Not yet run on a GPU.
+    """
 
     name = "cuda"
     time_source = "measured: CUDA events"
     memory_source = "measured: saved-tensor hooks + CUDA allocator peak"
 
-    def __init__(self) -> None:
+    def __init__(self, flush: str = "llc") -> None:
         if not torch.cuda.is_available():
             raise ProfileError(
                 f"backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
                 f"use --backend cpu, or analytical:h100 to estimate without a GPU")
+        if flush not in CACHE_FLUSHES:
+            raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
+                               f"{' or '.join(CACHE_FLUSHES)}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
+        self.flush_bytes = (l2_flush_bytes(torch.cuda.get_device_properties(self.device))
+                            if flush == "llc" else 0)
+        if self.flush_bytes:
+            self.time_source = (f"measured: CUDA events, L2 flushed before each timed call "
+                                f"({self.flush_bytes >> 20} MiB zeroed)")
+        # allocated here, never inside a measured region (the allocator's peak is tracked)
+        self._flush = torch.empty(self.flush_bytes, dtype=torch.int8, device=self.device)
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """GPU milliseconds between two events recorded around ``fn``."""
+        """GPU milliseconds between two events recorded around ``fn`` (after the flush)."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        if self.flush_bytes:
+            self._flush.zero_()  # queued before the start event: outside the timed span
         start.record()
         out = fn()
         end.record()
@@ -205,6 +242,17 @@ class XLABackend(Backend):
 
 
 _DEFAULT_LLC_BYTES = 32 << 20
+CACHE_FLUSHES = ("none", "llc")
+"""What a backend does before each timed call: nothing, or twice the last-level cache
+written (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
+``AUTO_FLUSH``)."""
+AUTO_FLUSH = {"cpu": "none", "cuda": "llc"}
+CLOCKS = ("wall", "thread")
+"""``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
+time."""
+"""``cache_flush="auto"`` per backend. On CPU, blocks timed back to back predicted a
+2-rank pipeline's stages better than cold-cache timing, and cost a fraction of the
+profiling time (docs/timing-sweep.md); on CUDA, an L2 flush as Triton's ``do_bench``."""
 
 
 def last_level_cache_bytes() -> int:
@@ -222,9 +270,37 @@ def last_level_cache_bytes() -> int:
     return best or _DEFAULT_LLC_BYTES
 
 
-def make_backend(name: str) -> Backend:
-    """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``)."""
-    backends = {"cpu": CPUBackend, "cuda": CUDABackend, "xla": XLABackend}
+def l2_flush_bytes(props: Any) -> int:
+    """Bytes to write over a GPU's L2 before a timed call: twice ``props.L2_cache_size``
+    (``torch.cuda.get_device_properties``), or 256 MiB, Triton's ``do_bench`` buffer,
+    where the property is missing or 0."""
+    l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+    return 2 * l2 if l2 > 0 else 256 << 20
+
+
+def make_backend(name: str, cache_flush: str = "auto", clock: str = "wall") -> Backend:
+    """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
+
+    Args:
+        name: ``cpu``, ``cuda`` or ``xla``.
+        cache_flush: The flush before each timed call (``CACHE_FLUSHES`` or ``auto``,
+            ``AUTO_FLUSH``): on ``cpu`` the last-level cache, on ``cuda`` the L2; ``xla``
+            ignores it.
+        clock: ``wall``, or ``thread`` (cpu only: the thread's CPU time).
+
+    Raises:
+        ProfileError: An unknown backend or flush.
+    """
+    if cache_flush == "auto":
+        cache_flush = AUTO_FLUSH.get(name, "none")
+    if name == "cpu":
+        return CPUBackend(cache_flush, clock)
+    if clock != "wall":
+        raise ProfileError(f"clock {clock!r} is for the cpu backend; {name} times with its "
+                           f"own clock (use clock 'wall')")
+    if name == "cuda":
+        return CUDABackend(cache_flush)
+    backends = {"xla": XLABackend}
     if name not in backends:
         raise ProfileError(f"unknown backend {name!r}; expected cpu, cuda, xla or "
                            f"analytical:<device>")

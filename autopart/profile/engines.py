@@ -106,10 +106,12 @@ class AnalyticalEngine:
         return Figures(times, memory, ())
 
 
-def make_engine(backend: str, dtype: str, num_warmup: int,
-                num_repeats: int) -> MeasuringEngine | AnalyticalEngine:
-    """The engine for a validated backend string."""
+def make_engine(backend: str, dtype: str, num_warmup: int, num_repeats: int,
+                cache_flush: str = "auto", clock: str = "wall"
+                ) -> MeasuringEngine | AnalyticalEngine:
+    """The engine for a validated backend string (``cache_flush`` and ``clock``: the
+    measuring backend's, ``make_backend``)."""
     name = parse_backend(backend)
     if name.device is not None:
         return AnalyticalEngine(load_device_spec(name.device), dtype)
-    return MeasuringEngine(make_backend(name.kind), num_warmup, num_repeats)
+    return MeasuringEngine(make_backend(name.kind, cache_flush, clock), num_warmup, num_repeats)

@@ -145,18 +145,86 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     The transient figure is the workspace on top of the block's saved activations
     at the block's own peak (``coinciding_workspace``): with ``backend`` = CUDA the
     allocator's peak above the start, less the new saved activations, the output and
-    the input gradient; else (CPU, meta) the same from the live-tensor log.
+    the input gradient (``allocator_workspace``); else (CPU, meta) the same from the
+    live-tensor log (``logged_workspace``).
 
     The weights' gradients are ``None`` before, as after ``zero_grad()``: autograd
-    allocates them in the backward, and the log sees them in the workspace. The part
-    of the workspace they make up is ``adopted_grad_bytes`` (CPU, meta; 0 on CUDA).
+    allocates them in the backward, and the workspace holds them. The part of the
+    workspace they make up is ``adopted_grad_bytes``, found from the live-tensor log
+    without their allocations, on every backend: on CUDA the block runs once more under
+    the log (which counts tensors' storages, not the allocator's blocks), and the figure
+    is capped at the allocator's workspace.
     """
     grad_out = incoming_grad(task)
-    task.inputs.grad = None
     exclude = [*task.module.parameters(), *task.module.buffers(), *task.exclude]
+    if backend is not None and backend.name == "cuda":
+        transient, saved, out = allocator_workspace(task, backend, grad_out, exclude)
+        for p in task.trainable():
+            p.grad = None  # as before the first pass: the log sees them allocated
+        _, adopted, _, _ = logged_workspace(task, grad_out, exclude)
+        adopted = min(adopted, transient)
+    else:
+        transient, adopted, saved, out = logged_workspace(task, grad_out, exclude)
+    task.inputs.grad = None
+    return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=tensor_bytes(out),
+                         transient_bytes=transient, adopted_grad_bytes=adopted,
+                         held_for_weight_bytes=held_for_weight_bytes(task))
+
+
+def logged_workspace(task: BlockTask, grad_out: torch.Tensor | None,
+                     exclude: list[torch.Tensor]
+                     ) -> tuple[int, int, SavedTensors, torch.Tensor]:
+    """One forward + backward under the live-tensor log (``LiveTensors``).
+
+    Args:
+        task: The block call; its weights' ``.grad`` ``None`` (the backward allocates
+            them, as after ``zero_grad()``).
+        grad_out: The incoming gradient (``None`` for a loss output).
+        exclude: Tensors the saved-tensor hooks leave out (parameters, buffers).
+
+    Returns:
+        The workspace (``coinciding_workspace``, the output and the input gradient left
+        out), the part of it that is the weights' gradients, the saved tensors and the
+        output.
+    """
+    task.inputs.grad = None
     saved = SavedTensors(exclude)
     live = LiveTensors()
+    with live:
+        with saved:
+            out = task.forward()
+        if task.input_grad or task.trainable():
+            torch.autograd.backward(out, grad_out)
+    in_key, out_key = storage_key(task.inputs), storage_key(out)
+    grad_key = storage_key(task.inputs.grad) if task.inputs.grad is not None else None
+    # The output and the input gradient are counted elsewhere: leave out their own
+    # allocations only, as a freed temporary may have had the same address.
+    log = without_last(live, {out_key, grad_key})
+    transient = coinciding_workspace(log, saved.storages, in_key, set())
+    weight_grads = {storage_key(p.grad) for p in task.trainable() if p.grad is not None}
+    adopted = transient - coinciding_workspace(without_last(log, weight_grads),
+                                               saved.storages, in_key, set())
+    return transient, adopted, saved, out
+
+
+def allocator_workspace(task: BlockTask, backend: Backend, grad_out: torch.Tensor | None,
+                        exclude: list[torch.Tensor]) -> tuple[int, SavedTensors, torch.Tensor]:
+    """One forward + backward under the backend's allocator peak (CUDA).
+
+    Args:
+        task: The block call; its weights' ``.grad`` as the caller left them (``None``:
+            the backward allocates them inside the peak).
+        backend: A backend whose ``allocator_peak`` reports bytes.
+        grad_out: The incoming gradient (``None`` for a loss output).
+        exclude: Tensors the saved-tensor hooks leave out (parameters, buffers).
+
+    Returns:
+        The workspace (the peak above the start less the new saved activations, the
+        output and the input gradient), the saved tensors, and the output.
+    """
+    saved = SavedTensors(exclude)
     result: dict[str, torch.Tensor] = {}
+    task.inputs.grad = None
 
     def step() -> None:
         with saved:
@@ -164,32 +232,12 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
         if task.input_grad or task.trainable():
             torch.autograd.backward(result["out"], grad_out)
 
-    peak = backend.allocator_peak(step) if backend is not None and backend.name == "cuda" else None
-    if peak is None:
-        with live:
-            step()
+    peak = backend.allocator_peak(step) or 0
     out = result.pop("out")
-    in_key = storage_key(task.inputs)
-    out_key = storage_key(out)
-    grad_key = storage_key(task.inputs.grad) if task.inputs.grad is not None else None
-    output_bytes = tensor_bytes(out)
-    adopted = 0
-    if peak is None:
-        # The output and the input gradient are counted elsewhere: leave out their own
-        # allocations only, as a freed temporary may have had the same address.
-        log = without_last(live, {out_key, grad_key})
-        transient = coinciding_workspace(log, saved.storages, in_key, set())
-        weight_grads = {storage_key(p.grad) for p in task.trainable() if p.grad is not None}
-        adopted = transient - coinciding_workspace(without_last(log, weight_grads),
-                                                   saved.storages, in_key, set())
-    else:
-        new_saved = sum(b for k, b in saved.storages.items() if k not in (in_key, out_key))
-        grad_bytes = tensor_bytes(task.inputs.grad) if task.inputs.grad is not None else 0
-        transient = max(peak - new_saved - output_bytes - grad_bytes, 0)
-    task.inputs.grad = None
-    return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=output_bytes,
-                         transient_bytes=transient, adopted_grad_bytes=adopted,
-                         held_for_weight_bytes=held_for_weight_bytes(task))
+    in_key, out_key = storage_key(task.inputs), storage_key(out)
+    new_saved = sum(b for k, b in saved.storages.items() if k not in (in_key, out_key))
+    grad_bytes = tensor_bytes(task.inputs.grad) if task.inputs.grad is not None else 0
+    return max(peak - new_saved - tensor_bytes(out) - grad_bytes, 0), saved, out
 
 
 def without_last(live: LiveTensors, keys: set[int | None]) -> LiveTensors:

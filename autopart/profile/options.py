@@ -39,6 +39,14 @@ class ProfileOptions:
     neighbours: int = 0
     """CPU only: other processes that profile the same model while it is measured,
     standing in for the pipeline's other ranks (``autopart profile --pp N``: ``N - 1``)."""
+    cache_flush: str = "auto"
+    """Before every timed call: ``none`` times each call right after the previous one;
+    ``llc`` writes over twice the last-level cache (cpu) or zeroes twice the L2 (cuda);
+    ``auto`` is ``none`` on cpu (chosen by ``scripts/timing_sweep.py``, see
+    docs/timing-sweep.md) and ``llc`` on cuda, as Triton's ``do_bench``."""
+    clock: str = "wall"
+    """``wall`` (``time.perf_counter``), or on cpu with one thread ``thread``: the thread's
+    CPU time, which waiting for a core on a shared machine does not add to."""
 
     @classmethod
     def of(cls, options: ProfileOptions | None = None, **fields: Any) -> ProfileOptions:

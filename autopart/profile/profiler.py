@@ -102,7 +102,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
     chain = discover_blocks(model, layer_classes=layer_classes, leaf_modules=leaf_modules,
                             granularity=granularity)
     check_shapes(loaded, chain, seq_len, backend, dtype)
-    engine = make_engine(backend, dtype, num_warmup, num_repeats)
+    engine = make_engine(backend, dtype, num_warmup, num_repeats, opts.cache_flush,
+                         opts.clock)
     torch_dtype = TORCH_DTYPES[dtype]
     fork = [engine.device.index or 0] if engine.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):
@@ -130,7 +131,9 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
         transformers_version=_transformers_version(),
         num_warmup=0 if backend.startswith("analytical") else num_warmup,
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
-        time_source=engine.time_source, memory_source=engine.memory_source,
+        time_source=engine.time_source + (f", beside {neighbours} busy neighbour process(es)"
+                                          if neighbours else ""),
+        memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(), glue_fwd_ms=round(glue_ms, 4),
         head_grad_ms=round(head_grad, 6),
         load_average=() if backend.startswith("analytical") else (load_before, load_after),

@@ -98,6 +98,9 @@ class ForwardStage(Tree):
         object.__setattr__(self, "_root", root)  # the skeleton: not a submodule of the stage
         self.config = getattr(root, "config", None)
         self._calls = chain.call_fqns
+        self.block_starts = {b.name: self._calls[b.calls[0]] for b in blocks}
+        """Each block's first call (a module FQN): where its forward starts
+        (``autopart.verify.instrument.BlockTimer`` times blocks from these)."""
         # a stage may start and/or end inside a half's module P (``autopart.runtime.partials``)
         partials = stage_partials(root, chain, [d.part for d in derived if d.part.axis == "units"])
         self._partials = {p.call: p for p in partials}

@@ -85,9 +85,10 @@ class BlockProfile:
     the gradients ``None``, as after ``zero_grad()``). A stage's first backward in a step
     hands them to the parameters' ``.grad`` (static memory) and a forward computes none,
     so there the workspace is ``transient_bytes - adopted_grad_bytes``; later backwards
-    add into ``.grad`` and pay them as workspace. Measured on CPU and meta; 0 on CUDA
-    and in profiles written before this field, which counts the whole workspace on
-    every action."""
+    add into ``.grad`` and pay them as workspace. Measured from the live-tensor log on
+    CPU, meta and CUDA (there capped at the allocator's workspace); 0 in profiles written
+    before this field, or by CUDA before it was measured there, which counts the whole
+    workspace on every action."""
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from autopart.schedules import schedule_info
 from autopart.schema import Plan
 from autopart.simulate import SimResult, simulate_plan
-from autopart.verify.report import RankReport, RunReport, StageReport, plan_digest
+from autopart.verify.report import (
+    BlockReport,
+    RankReport,
+    RunReport,
+    StageReport,
+    plan_digest,
+)
 from autopart.verify.worker import RankResult, RunSettings
 
 __all__ = []
@@ -60,22 +66,44 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         tp_size=plan.tp_size, dp_size=plan.dp_size, sequence_parallel=plan.sequence_parallel,
         zero_stage=plan.zero_stage, reshard_after_forward=plan.reshard_after_forward,
         parts=dict(plan.parts),
+        blocks=_block_reports(first),
     )
+
+
+def _block_reports(results: Sequence[RankResult]) -> tuple[BlockReport, ...]:
+    """Median forward per microbatch of every block of every stage (``BlockTimer``), in the
+    order the stages run them."""
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for r in results:
+        for step in r.block_fwd:
+            for stage, name, ms in step:
+                samples[stage, name].append(ms)
+    return tuple(BlockReport(stage=stage, block=name, measured_fwd_ms=round(_median(ms), 4))
+                 for (stage, name), ms in sorted(samples.items(), key=lambda kv: kv[0][0]))
 
 
 def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageReport, ...]:
     """Median F (+ loss), B, W, full backward per stage over every timed step and microbatch."""
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    cpu: dict[tuple[str, int], list[float]] = defaultdict(list)
     for r in results:
-        for step in r.spans:
+        for i, step in enumerate(r.spans):
+            cpu_of = r.span_cpu_ms[i] if i < len(r.span_cpu_ms) else ()
             fwd: dict[tuple[int, int], float] = defaultdict(float)
-            for kind, stage, mb, start, end in step:
+            fwd_cpu: dict[tuple[int, int], float] = defaultdict(float)
+            bwd_cpu: dict[tuple[int, int], float] = defaultdict(float)
+            for j, (kind, stage, mb, start, end) in enumerate(step):
                 if kind in ("F", "LOSS"):
                     fwd[stage, mb] += end - start
                 elif kind in _COMPUTE:
                     samples[kind, stage].append(end - start)
+                if j < len(cpu_of) and kind in _COMPUTE:
+                    (fwd_cpu if kind in ("F", "LOSS") else bwd_cpu)[stage, mb] += cpu_of[j]
             for (stage, _), ms in fwd.items():
                 samples["F", stage].append(ms)
+            for key, table in (("F", fwd_cpu), ("BW", bwd_cpu)):
+                for (stage, _), ms in table.items():
+                    cpu[key, stage].append(ms)
     split = schedule_info(plan.schedule).split_backward
     reports = []
     for s in plan.stages:
@@ -91,7 +119,9 @@ def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageRepo
             predicted_bwd_input_ms=s.bwd_input_ms,
             measured_bwd_input_ms=b if split and samples["B", s.index] else None,
             predicted_bwd_weight_ms=s.bwd_weight_ms,
-            measured_bwd_weight_ms=w if split and samples["W", s.index] else None))
+            measured_bwd_weight_ms=w if split and samples["W", s.index] else None,
+            measured_fwd_cpu_ms=_median(cpu["F", s.index]) if cpu["F", s.index] else None,
+            measured_bwd_cpu_ms=_median(cpu["BW", s.index]) if cpu["BW", s.index] else None))
     return tuple(reports)
 
 

@@ -52,7 +52,7 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         for name in stage.modules:
             parts = tuple(report.parts.get(name, ()))
             weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
-            for i in _covered(profile, name, parts):
+            for i in covered_blocks(profile, name, parts):
                 shares.setdefault(i, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
                         "last_block": stage.modules[-1], **ratio})
@@ -84,13 +84,13 @@ def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
         raise SchemaError(f"this run (plan digest {report.plan_digest}) is already folded into "
                           f"the profile; calibrate the original profile, or verify again")
     missing = [m for s in report.stages for m in s.modules
-               if not _covered(profile, m, tuple(report.parts.get(m, ())))]
+               if not covered_blocks(profile, m, tuple(report.parts.get(m, ())))]
     if missing:
         raise SchemaError(f"the run report names blocks the profile lacks ({missing[:3]}); "
                           f"pass the profile the plan came from")
 
 
-def _covered(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
+def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
     """Indices of the profile's blocks a planned block ran: itself; a part of a module's
     call (a slice of a half, a shard of the head) runs its share of the blocks of that half
     or head; a block fused from parts (a layer, a half) runs all of them."""

@@ -16,6 +16,7 @@ the kernels' time, not the launch time.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ class Span:
     """-1 for ``WAIT``."""
     start_ms: float
     end_ms: float
+    cpu_ms: float = 0.0
+    """CPU time of the calling thread during the call (``time.thread_time``): below the
+    span's length when the rank was descheduled by other work on its cores."""
 
 
 class StepRecorder:
@@ -94,12 +98,12 @@ class StepRecorder:
             if tag is None:
                 return original(*args, **kwargs)
             self._sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             out = original(*args, **kwargs)
             self._sync()
-            end = time.perf_counter()
+            end, cpu = time.perf_counter(), time.thread_time() - cpu
             self.steps[-1].append(Span(tag[0], tag[1], int(tag[2]), 1e3 * (start - self._t0),
-                                       1e3 * (end - self._t0)))
+                                       1e3 * (end - self._t0), 1e3 * cpu))
             return out
 
         setattr(owner, name, timed)
@@ -111,3 +115,86 @@ def _loss_label(args: tuple, kwargs: dict) -> tuple[str, int, int] | None:
     if not stage.is_last:
         return None
     return "LOSS", stage.stage_index, args[3]
+
+
+_PART_SUFFIX = re.compile(r"\.(shard|slice)\d[\w-]*$")
+
+
+def block_module_name(block: str) -> str:
+    """The module a block's forward ends in: the block's name, less a vocabulary-shard or
+    unit-slice suffix (``lm_head.shard2of46`` -> ``lm_head``)."""
+    return _PART_SUFFIX.sub("", block)
+
+
+class BlockTimer:
+    """Where each forward of this rank's stages spends its time, block by block.
+
+    A forward pre-hook on each block's first call (``block_starts`` of the stage module,
+    else the module the block is a part of: ``block_module_name``) records when the
+    block's forward starts; ``StepRecorder``'s F spans then split into the time before
+    the first block (``OUTSIDE``: the stage's own code, the model's code before its first
+    block such as masks and rotary tables, and the stand-ins of earlier stages' blocks)
+    and each block's time from its start to the next block's (the last one's to the
+    end of the F). Backward is not split.
+    """
+
+    OUTSIDE = "(outside blocks)"
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self._recorder = recorder
+        self.starts: list[list[tuple[int, str, float]]] = []
+        """Per step of ``recorder``: (stage, block, ms from the step's start)."""
+        self._handles: list[Any] = []
+
+    def attach(self, pipe: Any) -> BlockTimer:
+        """Hook the first calls of the blocks of ``pipe``'s stages (a ``PipelinedModel``)."""
+        stage_modules = list(getattr(pipe, "stage_modules", None) or [None] * len(
+            pipe.stage_plans))
+        for plan, stage_module in zip(pipe.stage_plans, stage_modules):
+            starts = getattr(stage_module, "block_starts", None) or {}
+            seen = set()
+            for block in plan.modules:
+                label = block_module_name(block)
+                call = starts.get(block, label)
+                if call in seen:
+                    continue
+                seen.add(call)
+                try:
+                    module = pipe.module.get_submodule(call)
+                except AttributeError:
+                    continue
+                self._handles.append(module.register_forward_pre_hook(
+                    functools.partial(self._start, plan.index, label)))
+        return self
+
+    def _start(self, stage: int, name: str, *_: Any) -> None:
+        recorder = self._recorder
+        if not (recorder.enabled and recorder.steps):
+            return
+        recorder._sync()
+        while len(self.starts) < len(recorder.steps):
+            self.starts.append([])
+        self.starts[len(recorder.steps) - 1].append(
+            (stage, name, 1e3 * (time.perf_counter() - recorder._t0)))
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def samples(self, step: int) -> list[tuple[int, str, float]]:
+        """(stage, block or ``OUTSIDE``, ms) of every F span of timed step ``step``."""
+        spans = self._recorder.steps[step]
+        starts = self.starts[step] if step < len(self.starts) else []
+        out = []
+        for span in spans:
+            if span.kind != "F":
+                continue
+            inside = sorted((t, name) for stage, name, t in starts
+                            if stage == span.stage_idx and span.start_ms <= t <= span.end_ms)
+            ends = [t for t, _ in inside[1:]] + [span.end_ms]
+            out.append((span.stage_idx, self.OUTSIDE,
+                        (inside[0][0] if inside else span.end_ms) - span.start_ms))
+            out += [(span.stage_idx, name, end - t) for (t, name), end in zip(inside, ends)]
+        return out

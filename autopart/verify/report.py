@@ -39,6 +39,26 @@ class StageReport:
     """B alone; measured only under split-backward (zero-bubble) schedules."""
     predicted_bwd_weight_ms: float = 0.0
     measured_bwd_weight_ms: float | None = None
+    measured_fwd_cpu_ms: float | None = None
+    """The forward's CPU time (the ranks' compute thread), median per microbatch: beside
+    ``measured_fwd_ms`` it shows how much of the span the rank was descheduled by other
+    work (``None`` in reports written before it)."""
+    measured_bwd_cpu_ms: float | None = None
+    """The same for the full backward (B + W)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockReport:
+    """One block's forward inside its stage, measured during the run (``BlockTimer``)."""
+
+    stage: int
+    block: str
+    """The block (a head shard or unit slice: the module it is a part of), or ``(outside
+    blocks)``: the stage's forward before its first block starts (the stage's own code,
+    the model's code before its first block, earlier stages' stand-ins)."""
+    measured_fwd_ms: float
+    """Median per microbatch: from the block's start to the next block's (the last block's
+    to the end of the forward)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,6 +164,10 @@ class RunReport(JsonFile):
     parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)
     """The plan's ``parts``: what each block of ``stages[].modules`` is a part of (for
     calibration; empty in reports written before it)."""
+    blocks: tuple[BlockReport, ...] = ()
+    """Every stage's forward split block by block (pipeline ranks of the first replica and
+    tp rank; empty in reports written before it); ``autopart.verify.attribution`` puts
+    them beside the profile."""
     schema_version: int = REPORT_SCHEMA_VERSION
 
     @property

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from autopart.errors import RuntimeSetupError
 from autopart.profile.profiler import ProgressFn
 from autopart.schema import Plan
-from autopart.verify.instrument import StepRecorder
+from autopart.verify.instrument import BlockTimer, StepRecorder
 from autopart.verify.memory import CPU_METHOD, CUDA_METHOD, measure_step_memory
 from autopart.verify.report import MeasuredMemory
 
@@ -100,6 +100,10 @@ class RankResult:
     """Data-parallel replica of this process (0 without data parallelism)."""
     tp_rank: int = 0
     """Tensor-parallel rank of this process (0 without tensor parallelism)."""
+    span_cpu_ms: tuple[tuple[float, ...], ...] = ()
+    """Per timed step, the thread CPU time of each span of ``spans``, in the same order."""
+    block_fwd: tuple[tuple[tuple[int, str, float], ...], ...] = ()
+    """Per timed step, (stage, block module, ms) of every F span split by ``BlockTimer``."""
 
 
 def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
@@ -146,6 +150,7 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
         pipe.step(ids, target=ids)
 
     recorder = StepRecorder(device).attach(pipe)
+    blocks = BlockTimer(recorder).attach(pipe)
     step_ms, optimizer_ms, cpu_ms = [], [], []
     try:
         for step in range(num_steps):
@@ -162,15 +167,20 @@ def run_rank(plan: Plan, settings: RunSettings, device: torch.device,
         report(total, "memory step")
     finally:
         recorder.detach()
+        blocks.detach()
     timed = slice(settings.warmup, None)
     return RankResult(
         rank=pipe.groups.pp_rank, stages=tuple(s.index for s in pipe.stage_plans),
         step_ms=tuple(step_ms[timed]), optimizer_ms=tuple(optimizer_ms[timed]),
         cpu_ms=tuple(cpu_ms[timed]),
         spans=tuple(tuple(_span_row(s) for s in step) for step in recorder.steps[timed]),
+        span_cpu_ms=tuple(tuple(round(s.cpu_ms, 4) for s in step)
+                          for step in recorder.steps[timed]),
         memory=memory, memory_method=CUDA_METHOD if device.type == "cuda" else CPU_METHOD,
         device=_device_name(device), num_threads=torch.get_num_threads(),
-        dp_rank=pipe.groups.dp_rank, tp_rank=pipe.groups.tp_rank)
+        dp_rank=pipe.groups.dp_rank, tp_rank=pipe.groups.tp_rank,
+        block_fwd=tuple(tuple((stage, name, round(ms, 4)) for stage, name, ms in
+                              blocks.samples(i)) for i in range(num_steps)[timed]))
 
 
 def _timed_step(run_step, pipe, optimizer, recorder: StepRecorder,

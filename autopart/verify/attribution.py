@@ -1,0 +1,93 @@
+"""Which blocks drive a stage's forward error: the run's per-block forward beside the profile.
+
+``autopart verify`` splits every stage's forward block by block while it runs
+(``RunReport.blocks``, from ``BlockTimer``). Given the profile the plan was made from,
+``block_errors`` puts each block's measured forward beside its profiled one, and
+``error_drivers`` orders them by how many milliseconds they add to (or take from) the
+stage's forward error. What the stage's forward spends outside its blocks (predicted:
+the model's code between blocks and the runtime's per-action cost; measured: before its
+first block starts) is one more row, ``(outside blocks)``. Backward is not split: its
+error is the stage's alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopart.schema import Profile
+from autopart.verify.calibrate import covered_blocks
+from autopart.verify.instrument import BlockTimer, block_module_name
+from autopart.verify.report import RunReport
+
+__all__ = ["BlockError", "block_errors", "error_drivers"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockError:
+    """One block's forward in one stage: profiled against measured (ms per microbatch)."""
+
+    stage: int
+    block: str
+    """The block (a part of a module's call: that module), or ``(outside blocks)``."""
+    predicted_fwd_ms: float
+    measured_fwd_ms: float
+
+    @property
+    def delta_ms(self) -> float:
+        """predicted - measured: what this block adds to the stage's forward error."""
+        return self.predicted_fwd_ms - self.measured_fwd_ms
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured (0 when nothing was measured)."""
+        return self.delta_ms / self.measured_fwd_ms if self.measured_fwd_ms else 0.0
+
+
+def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
+    """Every block of every stage, profiled forward beside the forward measured in the run.
+
+    A block that is a part of a module's call (a head shard, a unit slice) is predicted at
+    its share of that module's profiled forward; blocks ending in one module are summed.
+
+    Args:
+        report: A run report with per-block forwards (``RunReport.blocks``).
+        profile: The profile the plan was made from.
+
+    Returns:
+        One ``BlockError`` per measured block and stage, in stage order; empty when the
+        report has no per-block figures (written before they were recorded).
+    """
+    predicted: dict[tuple[int, str], float] = {}
+    for stage in report.stages:
+        total = 0.0
+        for name in stage.modules:
+            parts = tuple(report.parts.get(name, ()))
+            share = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
+            ms = share * sum(profile.blocks[i].fwd_ms
+                             for i in covered_blocks(profile, name, parts))
+            key = (stage.index, block_module_name(name))
+            predicted[key] = predicted.get(key, 0.0) + ms
+            total += ms
+        predicted[stage.index, BlockTimer.OUTSIDE] = max(stage.predicted_fwd_ms - total, 0.0)
+    return tuple(BlockError(stage=b.stage, block=b.block,
+                            predicted_fwd_ms=round(predicted.get((b.stage, b.block), 0.0), 4),
+                            measured_fwd_ms=b.measured_fwd_ms) for b in report.blocks)
+
+
+def error_drivers(report: RunReport, profile: Profile,
+                  top: int = 3) -> dict[int, tuple[BlockError, ...]]:
+    """The ``top`` blocks of each stage whose forward is furthest from its profile.
+
+    Args:
+        report: A run report with per-block forwards.
+        profile: The profile the plan was made from.
+        top: Blocks to keep per stage.
+
+    Returns:
+        Stage index -> its blocks ordered by ``|delta_ms|``, largest first.
+    """
+    by_stage: dict[int, list[BlockError]] = {}
+    for error in block_errors(report, profile):
+        by_stage.setdefault(error.stage, []).append(error)
+    return {stage: tuple(sorted(errors, key=lambda e: -abs(e.delta_ms))[:top])
+            for stage, errors in by_stage.items()}

@@ -1,0 +1,424 @@
+"""Validation sweep of CPU step-time predictions on models nobody tuned them on (issue 22).
+
+For each of a dozen generated shapes (three families, Llama, Qwen2 and the Mixtral MoE,
+from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 512 to
+32k, several micro-batch and sequence sizes) it does what the README tells a user:
+
+1. ``autopart profile CONFIG --pp 2`` (one thread, one busy neighbour), with this
+   machine's runtime check attached (``autopart calibrate --machine --pp 2``, cached);
+2. ``autopart plan`` for pp 2 under 1F1B (v 1) and Interleaved 1F1B (v 2), each as the
+   plan (``optimal``) and as the even split;
+3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code).
+
+It prints, and writes as markdown (``--out``), every run's predicted and measured step,
+and the distribution (median, 90th percentile, worst) of the step error, the per-stage
+F and B errors, the speed-up error (even / plan, predicted against measured) and the
+per-rank memory error, with the 1-minute load average before and after.
+
+``--methods`` compares profiling methods on the same runs: the plans come from the first
+method; each other method profiles the model again and predicts the same plans (same
+cuts, schedule, v and m) from its own profile, so every method is judged against the
+same measurements. A method is ``FLUSH:NEIGHBOURS[:CLOCK]`` (``ProfileOptions.cache_flush``,
+``neighbours`` and ``clock``), e.g. ``llc:1,none:1,none:0,none:1:thread``.
+
+``--loop`` closes the loop on each shape: the 1F1B plan's run is folded into the
+profile (``calibrate_profile``), a new plan is made from it and run, and its step error
+is reported.
+
+    python scripts/timing_sweep.py --quick                  # 3 shapes, a few minutes
+    python scripts/timing_sweep.py --out docs/timing-sweep.md
+    python scripts/timing_sweep.py --quick --methods llc:1,none:1,none:0,llc:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from autopart.errors import PlanError
+from autopart.profile import profile_model
+from autopart.schema import Plan, Profile
+from autopart.solve import make_plan
+from autopart.verify import (
+    RunReport,
+    RunSettings,
+    calibrate_profile,
+    check_machine,
+    load_cached_overhead,
+    save_cached_overhead,
+    verify_plan,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One generated model and its microbatch."""
+
+    family: str
+    hidden: int
+    layers: int
+    vocab: int
+    mbs: int
+    seq: int
+
+    @property
+    def name(self) -> str:
+        """A short label, e.g. ``qwen2-h64-l6-v512-2x128``."""
+        return (f"{self.family}-h{self.hidden}-l{self.layers}-v{self.vocab}-"
+                f"{self.mbs}x{self.seq}")
+
+    def config(self) -> dict[str, object]:
+        """Keyword arguments of ``AutoConfig.for_model`` (dropout and jitter zero)."""
+        heads = max(2, self.hidden // 64)
+        cfg: dict[str, object] = {
+            "hidden_size": self.hidden, "intermediate_size": _round8(self.hidden * 8 // 3),
+            "num_hidden_layers": self.layers, "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2), "vocab_size": self.vocab,
+            "max_position_embeddings": max(256, self.seq), "attention_dropout": 0.0}
+        if self.family == "mixtral":
+            cfg.update(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                       intermediate_size=_round8(self.hidden * 2))
+        return cfg
+
+
+SHAPES = (
+    Shape("qwen2", 64, 6, 512, 2, 128),       # the issue's held-out tiny Qwen2
+    Shape("llama", 256, 8, 32768, 1, 128),    # heavy-head Llama (vocab 32k, hidden 256)
+    Shape("mixtral", 64, 4, 1024, 2, 64),     # MoE, 4 experts top-2
+    Shape("llama", 128, 8, 8192, 2, 64),      # millisecond blocks
+    Shape("llama", 512, 4, 4096, 1, 64),
+    Shape("qwen2", 1024, 2, 16384, 1, 32),
+    Shape("mixtral", 128, 6, 2048, 1, 128),
+    Shape("llama", 64, 24, 512, 4, 32),
+    Shape("qwen2", 256, 12, 8192, 2, 32),
+    Shape("llama", 768, 3, 32000, 1, 32),
+    Shape("mixtral", 256, 2, 4096, 2, 32),
+    Shape("qwen2", 128, 16, 2048, 1, 256),
+)
+QUICK = (0, 1, 2)
+"""``--quick``: the tiny Qwen2, the heavy-head Llama and the MoE."""
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2))
+
+
+@dataclass
+class Run:
+    """One plan run for real, and each method's prediction of it."""
+
+    shape: str
+    schedule: str
+    partition: str
+    report: RunReport
+    predicted: dict[str, Plan] = field(default_factory=dict)
+    """Method -> the plan with the same cuts predicted from that method's profile."""
+
+
+def _round8(n: int) -> int:
+    return max(8, (n + 7) // 8 * 8)
+
+
+def parse_methods(text: str) -> list[tuple[str, int, str]]:
+    """``"llc:1,none:0:thread"`` -> ``[("llc", 1, "wall"), ("none", 0, "thread")]``; exits
+    2 on a bad entry."""
+    methods = []
+    for item in text.split(","):
+        flush, count, *clock = item.strip().split(":")
+        if (flush not in ("llc", "none") or not count.isdigit() or len(clock) > 1
+                or (clock and clock[0] not in ("wall", "thread"))):
+            print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
+                  f"llc or none, CLOCK wall or thread, e.g. llc:1", file=sys.stderr)
+            sys.exit(2)
+        methods.append((flush, int(count), clock[0] if clock else "wall"))
+    return methods
+
+
+def method_name(method: tuple[str, int, str]) -> str:
+    """``("none", 1, "wall")`` -> ``"flush none, 1 neighbour(s)"`` (the clock when not
+    wall)."""
+    clock = "" if method[2] == "wall" else f", {method[2]} clock"
+    return f"flush {method[0]}, {method[1]} neighbour(s){clock}"
+
+
+def write_config(shape: Shape, folder: Path) -> str:
+    """Write ``shape``'s config.json under ``folder``; return its path (the model source)."""
+    from transformers import AutoConfig
+
+    path = folder / shape.name
+    AutoConfig.for_model(shape.family, **shape.config()).save_pretrained(path)
+    return str(path / "config.json")
+
+
+def take_profile(source: str, shape: Shape, method: tuple[str, int, str],
+                 threads: int) -> Profile:
+    """``autopart profile SOURCE --pp 2`` with this method's flush and neighbours, the
+    cached machine check attached as the CLI does."""
+    torch.set_num_threads(threads)
+    profile = profile_model(source, backend="cpu", seq_len=shape.seq,
+                            micro_batch_size=shape.mbs, cache_flush=method[0],
+                            neighbours=method[1], clock=method[2])
+    check = load_cached_overhead("gloo", threads)
+    if check is not None:
+        profile = dataclasses.replace(profile, runtime_overhead=check)
+    return profile
+
+
+def same_cuts(profile: Profile, plan: Plan) -> Plan:
+    """``plan``'s cuts, schedule, v and m predicted from another profile of its model."""
+    return make_plan(profile, pp_size=plan.pp_size, num_microbatches=plan.num_microbatches,
+                     schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                     cuts=tuple(plan.pipeline_cuts), granularity=plan.granularity)
+
+
+def rel(pred: float, meas: float) -> float:
+    """(pred - meas) / meas (0 when nothing was measured)."""
+    return (pred - meas) / meas if meas else 0.0
+
+
+def run_errors(run: Run, method: str) -> dict[str, list[float]]:
+    """The step, stage F, stage B and memory errors of one run under one method's plan."""
+    plan, report = run.predicted[method], run.report
+    out: dict[str, list[float]] = {
+        "step": [rel(plan.predicted_step_ms, report.measured_step_ms)], "F": [], "B": [],
+        "F cpu": [], "B cpu": [],
+        "memory": [rel(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes)
+                   for r in report.ranks]}
+    for stage, measured in zip(plan.stages, report.stages):
+        out["F"].append(rel(stage.fwd_ms, measured.measured_fwd_ms))
+        out["B"].append(rel(stage.bwd_ms, measured.measured_bwd_ms))
+        if measured.measured_fwd_cpu_ms:
+            out["F cpu"].append(rel(stage.fwd_ms, measured.measured_fwd_cpu_ms))
+        if measured.measured_bwd_cpu_ms:
+            out["B cpu"].append(rel(stage.bwd_ms, measured.measured_bwd_cpu_ms))
+    return out
+
+
+def speedup_errors(runs: list[Run], method: str) -> list[tuple[str, str, float, float]]:
+    """(shape, schedule, measured, predicted) speed-up of the plan over the even split."""
+    by_key = {(r.shape, r.schedule, r.partition): r for r in runs}
+    rows = []
+    for (shape, schedule, partition), opt in by_key.items():
+        even = by_key.get((shape, schedule, "even"))
+        if partition != "optimal" or even is None or not (
+                method in opt.predicted and method in even.predicted):
+            continue
+        measured = even.report.measured_step_ms / opt.report.measured_step_ms
+        predicted = (even.predicted[method].predicted_step_ms
+                     / opt.predicted[method].predicted_step_ms)
+        rows.append((shape, schedule, measured, predicted))
+    return rows
+
+
+def distribution(values: list[float]) -> str:
+    """``median / p90 / worst`` of the absolute values, in percent."""
+    if not values:
+        return "-"
+    mags = sorted(abs(v) for v in values)
+    p90 = mags[min(len(mags) - 1, int(round(0.9 * (len(mags) - 1))))]
+    return (f"{100 * statistics.median(mags):.1f}% / {100 * p90:.1f}% / "
+            f"{100 * mags[-1]:.1f}%")
+
+
+def summary_rows(runs: list[Run], methods: list[str]) -> list[list[str]]:
+    """One row per method: the distributions of each error over every run."""
+    rows = []
+    for method in methods:
+        pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "F cpu": [],
+                                          "B cpu": [], "memory": []}
+        for run in runs:
+            if method in run.predicted:
+                for key, values in run_errors(run, method).items():
+                    pooled[key] += values
+        speed = [rel(p, m) for _, _, m, p in speedup_errors(runs, method)]
+        rows.append([method, str(len(pooled["step"])), distribution(pooled["step"]),
+                     distribution(pooled["F"]), distribution(pooled["B"]),
+                     distribution(pooled["F cpu"]), distribution(pooled["B cpu"]),
+                     distribution(speed), distribution(pooled["memory"])])
+    return rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def run_rows(runs: list[Run], method: str) -> list[list[str]]:
+    """Every run under ``method``: predicted, measured, step error, worst stage errors."""
+    rows = []
+    for run in runs:
+        if method not in run.predicted:
+            continue
+        errors = run_errors(run, method)
+        plan = run.predicted[method]
+        rows.append([run.shape, run.schedule, run.partition,
+                     f"{plan.predicted_step_ms:.1f}", f"{run.report.measured_step_ms:.1f}",
+                     f"{100 * errors['step'][0]:+.1f}%",
+                     f"{100 * run.report.measured_step_ms_spread:.1f}%",
+                     " ".join(f"{100 * e:+.0f}%" for e in errors["F"]),
+                     " ".join(f"{100 * e:+.0f}%" for e in errors["B"]),
+                     " ".join(f"{100 * e:+.1f}%" for e in errors["memory"]),
+                     f"{cpu_share(run.report):.2f}"])
+    return rows
+
+
+def cpu_share(report: RunReport) -> float:
+    """The lowest rank's process CPU time over its compute time in a step: well under 1,
+    the rank was descheduled (other work shared the cores) and its times are the load's."""
+    return min((r.measured_cpu_ms / r.measured_busy_ms for r in report.ranks
+                if r.measured_busy_ms), default=1.0)
+
+
+def main() -> None:
+    """Run the sweep (module docstring) and print / write its tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 shapes (tiny Qwen2, heavy "
+                        "head, MoE) under 1F1B only")
+    parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
+    parser.add_argument("--methods", default="llc:1", help="FLUSH:NEIGHBOURS,...; the first "
+                        "makes the plans (default: what `autopart profile --pp 2` does)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--loop", action="store_true", help="verify -> calibrate -> replan "
+                        "-> verify the 1F1B plan of each shape")
+    parser.add_argument("--out", default=None, help="write the tables as markdown here")
+    parser.add_argument("--json", default=None, help="write every figure as JSON here")
+    args = parser.parse_args()
+    methods = parse_methods(args.methods)
+    names = [method_name(m) for m in methods]
+    indices = ([int(i) for i in args.shapes.split(",")] if args.shapes
+               else list(QUICK) if args.quick else list(range(len(SHAPES))))
+    schedules = SCHEDULES[:1] if args.quick else SCHEDULES
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    start, load_before = time.perf_counter(), os.getloadavg()
+    loads = [load_before[0]]
+    if load_cached_overhead("gloo", threads) is None:
+        save_cached_overhead(check_machine(num_threads=threads))
+    settings_of = {}
+    runs: list[Run] = []
+    loop_rows: list[list[str]] = []
+    with tempfile.TemporaryDirectory(prefix="timing-sweep-") as tmp:
+        for index in indices:
+            shape = SHAPES[index]
+            source = write_config(shape, Path(tmp))
+            settings_of[shape.name] = RunSettings(model=source, steps=args.steps,
+                                                  warmup=args.warmup, threads_per_rank=threads)
+            profiles = {}
+            for name, method in zip(names, methods):
+                began = time.perf_counter()
+                profiles[name] = take_profile(source, shape, method, threads)
+                print(f"{shape.name:>34} profiled with {name} in "
+                      f"{time.perf_counter() - began:.0f} s, load {os.getloadavg()[0]:.2f}",
+                      flush=True)
+            for schedule, v in schedules:
+                for partition in ("optimal", "even"):
+                    plan = make_plan(profiles[names[0]], pp_size=2,
+                                     num_microbatches=args.microbatches, schedule=schedule,
+                                     virtual_stages=v, partition=partition)
+                    report = verify_plan(plan, settings_of[shape.name])
+                    run = Run(shape.name, schedule, partition, report, {names[0]: plan})
+                    for name in names[1:]:
+                        try:
+                            run.predicted[name] = same_cuts(profiles[name], plan)
+                        except PlanError as exc:  # e.g. slices of two K: --cuts refuses them
+                            print(f"  {name}: cannot predict the same cuts ({exc})", flush=True)
+                    runs.append(run)
+                    loads.append(os.getloadavg()[0])
+                    print(f"{shape.name:>34} {schedule:>16} {partition:>7}: predicted "
+                          f"{plan.predicted_step_ms:8.1f} ms, measured "
+                          f"{report.measured_step_ms:8.1f} ms "
+                          f"({100 * report.step_error:+.1f}%), cpu/busy {cpu_share(report):.2f}, "
+                          f"load {loads[-1]:.2f}",
+                          flush=True)
+            if args.loop:
+                loop_rows.append(close_loop(shape, profiles[names[0]], runs, args,
+                                            settings_of[shape.name]))
+                print("  loop: " + " ".join(loop_rows[-1][1:]), flush=True)
+            write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads,
+                          load_before, start, final=False)
+    write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads,
+                  load_before, start, final=True)
+
+
+def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple,
+                  threads: int, names: list[str], runs: list[Run],
+                  loop_rows: list[list[str]], loads: list[float],
+                  load_before: tuple[float, ...], start: float, final: bool) -> None:
+    """Write the markdown (``--out``) and JSON (``--json``) of the runs so far (after each
+    shape, so a sweep cut short keeps what it measured); print them when ``final``."""
+    load_after = os.getloadavg()
+    elapsed = time.perf_counter() - start
+    header = ["method", "runs", "step", "stage F", "stage B", "stage F vs CPU time",
+              "stage B vs CPU time", "speed-up", "memory"]
+    summary = summary_rows(runs, names)
+    command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
+    text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
+            f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps; "
+            f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
+            f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
+            f"({os.cpu_count()} cores); {elapsed:.0f} s"
+            f"{'' if final else f'; cut short after {len(runs)} runs'}.",
+            "",
+            "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "
+            "time\": against the stage's thread CPU time, which a rank descheduled by other "
+            "load does not accrue; cpu/busy: the lowest rank's CPU time over its compute "
+            "spans (1: never descheduled):", "",
+            markdown_table(header, summary)]
+    for name in names:
+        text += ["", f"Runs, predicted from the profile taken with {name}:", "",
+                 markdown_table(["shape", "schedule", "split", "pred ms", "meas ms", "step err",
+                                 "spread", "stage F err", "stage B err", "memory err", "cpu/busy"],
+                                run_rows(runs, name))]
+        speed = speedup_errors(runs, name)
+        text += ["", markdown_table(
+            ["shape", "schedule", "speed-up measured", "predicted", "error"],
+            [[s, sch, f"{m:.3f}x", f"{p:.3f}x", f"{100 * rel(p, m):+.1f}%"]
+             for s, sch, m, p in speed])]
+    if loop_rows:
+        text += ["", "Verify -> calibrate -> replan -> verify (1F1B):", "", markdown_table(
+            ["shape", "first plan err", "replanned pred ms", "meas ms", "err"], loop_rows)]
+    if final:
+        print("\n".join(text))
+    if args.out:
+        Path(args.out).write_text("\n".join(text) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"command": command, "load_before": load_before, "load_after": load_after,
+             "loads": loads, "summary": summary,
+             "runs": [{"shape": r.shape, "schedule": r.schedule, "partition": r.partition,
+                       "measured_step_ms": r.report.measured_step_ms,
+                       "cpu_share": cpu_share(r.report),
+                       "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
+             "loop": loop_rows}, indent=1))
+
+
+
+def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.Namespace,
+               settings: RunSettings) -> list[str]:
+    """Calibrate ``profile`` with the shape's 1F1B plan run, plan again, run, and return
+    the row: shape, first error, replanned prediction, measurement and error."""
+    first = next(r for r in runs if r.shape == shape.name and r.schedule == "1f1b"
+                 and r.partition == "optimal")
+    plan = first.predicted[next(iter(first.predicted))]
+    calibrated = calibrate_profile(profile, first.report, plan)
+    again = make_plan(calibrated, pp_size=2, num_microbatches=args.microbatches,
+                      schedule="1f1b", virtual_stages=1)
+    report = verify_plan(again, settings)
+    return [shape.name, f"{100 * first.report.step_error:+.1f}%",
+            f"{again.predicted_step_ms:.1f}", f"{report.measured_step_ms:.1f}",
+            f"{100 * report.step_error:+.1f}%"]
+
+
+if __name__ == "__main__":
+    main()
