@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -28,6 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 TOL = 1e-5
+MAX_PARAMS = 40_000_000
+"""A shrunk model larger than this kept a size the rule does not know; it is not run."""
+TYPE_TIMEOUT_S = {"build": 120, "train": 900}
+"""Seconds one type may take at each stage before the sweep records a timeout."""
 SIZES = {
     "vocab_size": 96, "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "hidden_dim": 128,
@@ -61,23 +66,49 @@ def shrink(model_type: str):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
+    _shrink_config(config)
+    for key, value in OVERRIDES.get(model_type, ({}, ""))[0].items():
+        setattr(config, key, value)
+    return config
+
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _shrink_config(config) -> None:
+    """Apply the rule to ``config`` and to every sub-config it holds (composite models).
+
+    Sizes become ``SIZES``' values; probabilities (dropout, jitter) 0; every list with
+    one entry per layer (layer types, block types) keeps its first entries; keys a
+    config derives and cannot set (read-only properties) are left to the config."""
+    from transformers import PretrainedConfig
+
+    layers = next((getattr(config, k) for k in _LAYER_KEYS
+                   if isinstance(getattr(config, k, None), int)), None)
     for key, value in SIZES.items():
         if hasattr(config, key) and getattr(config, key) is not None:
-            setattr(config, key, value)
+            _set(config, key, value)
+    new_layers = next((getattr(config, k) for k in _LAYER_KEYS
+                       if isinstance(getattr(config, k, None), int)), None)
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key
                                          or "jitter" in key):
-            setattr(config, key, 0.0)
-    layers = getattr(config, "num_hidden_layers", None)
-    for key in ("layer_types", "mlp_only_layers"):
-        value = getattr(config, key, None)
-        if isinstance(value, list) and layers and key == "layer_types":
-            setattr(config, key, value[:layers])
-    for key, value in OVERRIDES.get(model_type, ({}, ""))[0].items():
-        setattr(config, key, value)
+            _set(config, key, 0.0)
+        elif (isinstance(value, list) and layers and new_layers and layers != new_layers
+              and len(value) == layers):
+            _set(config, key, value[:new_layers])
+        elif isinstance(value, PretrainedConfig):
+            _shrink_config(value)
     if hasattr(config, "tie_word_embeddings"):
-        config.tie_word_embeddings = False
-    return config
+        _set(config, "tie_word_embeddings", False)
+
+
+def _set(config, key: str, value) -> None:
+    """``setattr`` that leaves a read-only (derived) config key alone."""
+    try:
+        setattr(config, key, value)
+    except AttributeError:
+        pass
 
 
 def _first_line(exc: BaseException) -> str:
@@ -110,8 +141,9 @@ def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
     return result
 
 
-def sweep_one(model_type: str) -> dict:
-    """One row: build, unpipelined run, profile, plan, exact training (or why not)."""
+def sweep_one(model_type: str, stage: str = "train") -> dict:
+    """One row: build, unpipelined run, profile, plan, exact training (or why not);
+    ``stage`` ``build`` stops after the unpipelined run (a fast pass over every type)."""
     from families import init_real
     from runtime_helpers import padded_batch, run_ranks
 
@@ -124,11 +156,18 @@ def sweep_one(model_type: str) -> dict:
     try:
         config = shrink(model_type)
         torch.manual_seed(0)
-        model = init_real(build_hf_model(config))
+        model = build_hf_model(config)
+        count = sum(p.numel() for p in model.parameters())
+        if count > MAX_PARAMS:
+            raise ValueError(f"the rule leaves {count / 1e6:.0f}M parameters (more than "
+                             f"{MAX_PARAMS / 1e6:.0f}M): a size key it does not know")
+        model = init_real(model)
         ids, mask, labels = padded_batch(config.vocab_size, batch=2, seq_len=12)
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     except BaseException as exc:  # noqa: BLE001 - any failure is the row's reason
         row["reason"] = f"does not run unpipelined: {_first_line(exc)}"
+        return row
+    if stage == "build":
         return row
     try:
         profile = profile_model(build_hf_model(shrink(model_type)), backend="cpu", seq_len=8,
@@ -205,6 +244,11 @@ def write_table(rows: list[dict], out: Path, total: int, seconds: float) -> None
     out.write_text("\n".join(lines) + "\n")
 
 
+def _timeout(signum, frame) -> None:
+    """SIGALRM: the type took longer than ``TYPE_TIMEOUT_S`` allows."""
+    raise TimeoutError("took longer than the sweep allows one type (TYPE_TIMEOUT_S)")
+
+
 def main() -> int:
     """Run the sweep (see the module docstring)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -212,6 +256,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these model types only")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "families.md")
+    parser.add_argument("--stage", choices=("build", "train"), default="train",
+                        help="build: only build and run each type unpipelined (seconds a type)")
     parser.add_argument("--retable", action="store_true",
                         help="rewrite --out from its own rows (counts, classification)")
     args = parser.parse_args()
@@ -219,6 +265,7 @@ def main() -> int:
         write_table(read_table(args.out), args.out, len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 0)
         return 0
     warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGALRM, _timeout)
     logging.disable(logging.WARNING)
     types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     unknown = sorted(set(args.only or ()) - set(types))
@@ -231,11 +278,13 @@ def main() -> int:
     rows, start = [], time.time()
     for model_type in types:
         t0 = time.time()
+        signal.alarm(TYPE_TIMEOUT_S[args.stage])
         try:
-            row = sweep_one(model_type)
+            row = sweep_one(model_type, args.stage)
         except BaseException:  # noqa: BLE001 - the sweep goes on
             row = {"type": model_type, "profile": "", "plan": "", "exact": "", "level": "",
                    "reason": traceback.format_exc().strip().splitlines()[-1][:160]}
+        signal.alarm(0)
         rows.append(row)
         print(f"{model_type}: {row['exact'] or row['profile'] or '-'} {row['level']} "
               f"{row['reason']} ({time.time() - t0:.0f} s)", flush=True)
