@@ -112,7 +112,11 @@ def _set(config, key: str, value) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    """``Type: message`` in one table cell; a rank's failure by its own last line."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if type(exc).__name__ == "ProcessRaisedException" and lines:
+        return f"a rank failed: {lines[-1].strip()[:160]}".replace("|", "/")
+    text = (lines or [type(exc).__name__])[0]
     return f"{type(exc).__name__}: {text[:160]}".replace("|", "/")
 
 
@@ -141,11 +145,33 @@ def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
     return result
 
 
+def _fork_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
+    """``runtime_helpers.run_ranks`` with forked ranks: this process has torch and
+    transformers imported already, where a spawned rank imports them again (seconds)."""
+    import json
+
+    import torch.multiprocessing as mp
+    from runtime_helpers import _free_port, _worker
+
+    mp.start_processes(_worker, args=(world_size, _free_port(), str(tmp_path), fn, args),
+                       nprocs=world_size, join=True, start_method="fork")
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _cheap_cache_flush() -> None:
+    """Profile with a 1 MiB cache flush before each timed call: the sweep checks that a
+    profile is taken and planned, not its timings, and the CPU backend's flush of twice
+    the last-level cache (hundreds of MiB on a server CPU) took most of a type's time."""
+    from autopart.profile import backends
+
+    backends.last_level_cache_bytes = lambda: 1 << 19
+
+
 def sweep_one(model_type: str, stage: str = "train") -> dict:
     """One row: build, unpipelined run, profile, plan, exact training (or why not);
     ``stage`` ``build`` stops after the unpipelined run (a fast pass over every type)."""
     from families import init_real
-    from runtime_helpers import padded_batch, run_ranks
+    from runtime_helpers import padded_batch
 
     from autopart.intake.sources import build_hf_model
     from autopart.profile import profile_model
@@ -184,7 +210,7 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
         return row
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results = run_ranks(_train_worker, 2, Path(tmp), model_type, plan)
+            results = _fork_ranks(_train_worker, 2, Path(tmp), model_type, plan)
         losses = [r["loss"] for r in results if r["loss"] is not None]
         diff = max(r["max_grad_diff"] for r in results)
         loss_diff = abs(losses[0] - results[0]["ref_loss"])
@@ -265,6 +291,8 @@ def main() -> int:
         write_table(read_table(args.out), args.out, len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 0)
         return 0
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # ranks are forked from this process (fork-safe: one thread)
+    _cheap_cache_flush()
     signal.signal(signal.SIGALRM, _timeout)
     logging.disable(logging.WARNING)
     types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
