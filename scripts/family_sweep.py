@@ -45,12 +45,15 @@ SIZES = {
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
     "linear_value_head_dim": 16, "sliding_window": 6, "attention_chunk_size": 6,
-    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "rotary_dim": 8,
+    "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 16,
 }
 """The one rule: every size key a config has gets this value (ids point inside the
 vocabulary); dropout, jitter and other probabilities become 0."""
 
 OVERRIDES: dict[str, tuple[dict, str]] = {
+    "mamba2": ({"num_heads": 8}, "its heads times head_dim must equal expand (2) times hidden"),
+    "zaya": ({"num_experts_per_tok": 1}, "ZAYA routes top-1 only"),
     "gpt_oss": ({"intermediate_size": 64}, "experts' fused gate_up needs an even size"),
     "llama4_text": ({"num_experts_per_tok": 1, "intermediate_size_mlp": 128},
                     "its router is top-1; the dense MLP has its own size key"),
@@ -62,53 +65,68 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
 
 
 def shrink(model_type: str):
-    """The default config of ``model_type`` with the rule (and its override) applied."""
+    """The default config of ``model_type`` with the rule (and its override) applied.
+
+    The config is built anew from the rule's values, so that what a config derives from
+    its sizes in its constructor (MLA's ``qk_head_dim``, Bamba's ``layers_block_type``)
+    follows them."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type)
-    _shrink_config(config)
-    for key, value in OVERRIDES.get(model_type, ({}, ""))[0].items():
-        setattr(config, key, value)
-    return config
+    rule = _rule(AutoConfig.for_model(model_type).to_dict(), model_type)
+    rule.update(OVERRIDES.get(model_type, ({}, ""))[0])
+    return AutoConfig.for_model(model_type, **rule)
 
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_DERIVED_WHEN_NONE = ("head_dim", "num_key_value_heads")
+"""Size keys whose ``None`` means "derive it from the others": set like any other size."""
 
 
-def _shrink_config(config) -> None:
-    """Apply the rule to ``config`` and to every sub-config it holds (composite models).
+def _rule(values: dict, model_type: str) -> dict:
+    """The rule's values for one config's ``to_dict()`` and every sub-config it holds.
 
-    Sizes become ``SIZES``' values; probabilities (dropout, jitter) 0; every list with
-    one entry per layer (layer types, block types) keeps its first entries; keys a
-    config derives and cannot set (read-only properties) are left to the config."""
-    from transformers import PretrainedConfig
+    Sizes become ``SIZES``' values, found under the config's own names too (its
+    ``attribute_map``: XLM's ``emb_dim`` is its hidden size). Key-value heads keep the
+    default's grouping (a config with as many as query heads keeps as many); an MLA
+    config's ``head_dim`` is its rotary part, ``qk_rope_head_dim``. Probabilities
+    (dropout, jitter) become 0; every list with one entry per layer (layer types, block
+    types) keeps its first entries, a dict of per-layer configs its first layers'; the
+    embeddings are untied."""
+    from transformers import CONFIG_MAPPING
 
-    layers = next((getattr(config, k) for k in _LAYER_KEYS
-                   if isinstance(getattr(config, k, None), int)), None)
-    for key, value in SIZES.items():
-        if hasattr(config, key) and getattr(config, key) is not None:
-            _set(config, key, value)
-    new_layers = next((getattr(config, k) for k in _LAYER_KEYS
-                       if isinstance(getattr(config, k, None), int)), None)
-    for key, value in list(vars(config).items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key
-                                         or "jitter" in key):
-            _set(config, key, 0.0)
-        elif (isinstance(value, list) and layers and new_layers and layers != new_layers
-              and len(value) == layers):
-            _set(config, key, value[:new_layers])
-        elif isinstance(value, PretrainedConfig):
-            _shrink_config(value)
-    if hasattr(config, "tie_word_embeddings"):
-        _set(config, "tie_word_embeddings", False)
+    known = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    alias = {v: k for k, v in getattr(known, "attribute_map", {}).items()}
+    layers = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
+    rule: dict = {}
+    for key, value in values.items():
+        name = key if key in SIZES else alias.get(key, key)
+        if name in SIZES and (value is not None or name in _DERIVED_WHEN_NONE):
+            rule[key] = SIZES[name]
+        elif isinstance(value, float) and ("dropout" in key or "pdrop" in key
+                                           or "jitter" in key):
+            rule[key] = 0.0
+        elif isinstance(value, dict) and "model_type" in value:
+            rule[key] = {**value, **_rule(value, value["model_type"])}
+    heads = values.get("num_attention_heads", values.get(alias_of(alias, "num_attention_heads")))
+    if "num_key_value_heads" in values and values["num_key_value_heads"] in (None, heads):
+        rule["num_key_value_heads"] = SIZES["num_attention_heads"]
+    if "qk_rope_head_dim" in values:
+        rule["head_dim"] = SIZES["qk_rope_head_dim"]
+    new_layers = next((rule[k] for k in _LAYER_KEYS if k in rule), None)
+    if layers and new_layers and layers != new_layers:
+        for key, value in values.items():
+            if isinstance(value, list) and len(value) == layers:
+                rule[key] = value[:new_layers]
+            elif key == "per_layer_config" and isinstance(value, dict):
+                rule[key] = {i: c for i, c in value.items() if int(i) < new_layers}
+    if "tie_word_embeddings" in values:
+        rule["tie_word_embeddings"] = False
+    return rule
 
 
-def _set(config, key: str, value) -> None:
-    """``setattr`` that leaves a read-only (derived) config key alone."""
-    try:
-        setattr(config, key, value)
-    except AttributeError:
-        pass
+def alias_of(alias: dict, name: str) -> str:
+    """The config's own key for the standard ``name`` (``alias`` maps own keys to names)."""
+    return next((own for own, standard in alias.items() if standard == name), name)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -132,7 +150,8 @@ def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
     torch.manual_seed(0)
     model = init_real(build_hf_model(config))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq_len=12)
+    vocab = config.get_text_config().vocab_size
+    ids, mask, labels = padded_batch(vocab, batch=4, seq_len=12)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -188,7 +207,8 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
             raise ValueError(f"the rule leaves {count / 1e6:.0f}M parameters (more than "
                              f"{MAX_PARAMS / 1e6:.0f}M): a size key it does not know")
         model = init_real(model)
-        ids, mask, labels = padded_batch(config.vocab_size, batch=2, seq_len=12)
+        vocab = config.get_text_config().vocab_size
+        ids, mask, labels = padded_batch(vocab, batch=2, seq_len=12)
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     except BaseException as exc:  # noqa: BLE001 - any failure is the row's reason
         row["reason"] = f"does not run unpipelined: {_first_line(exc)}"
