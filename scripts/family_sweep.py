@@ -54,6 +54,13 @@ vocabulary); dropout, jitter and other probabilities become 0."""
 OVERRIDES: dict[str, tuple[dict, str]] = {
     "mamba2": ({"num_heads": 8}, "its heads times head_dim must equal expand (2) times hidden"),
     "zaya": ({"num_experts_per_tok": 1}, "ZAYA routes top-1 only"),
+    "bamba": ({"attn_layer_indices": [3]}, "its default has no attention layer at all"),
+    "gemma3n_text": ({"layer_types": ["sliding_attention", "full_attention"] * 2,
+                      "num_kv_shared_layers": 2},
+                     "its last layers reuse the KV cache of an earlier layer of their type, "
+                     "so both types come before the 2 sharing layers"),
+    "granitemoehybrid": ({"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+                         "its default has no attention layer at all"),
     "gpt_oss": ({"intermediate_size": 64}, "experts' fused gate_up needs an even size"),
     "llama4_text": ({"num_experts_per_tok": 1, "intermediate_size_mlp": 128},
                     "its router is top-1; the dense MLP has its own size key"),
@@ -112,16 +119,43 @@ def _rule(values: dict, model_type: str) -> dict:
         rule["num_key_value_heads"] = SIZES["num_attention_heads"]
     if "qk_rope_head_dim" in values:
         rule["head_dim"] = SIZES["qk_rope_head_dim"]
+    for group in ("n_group", "num_expert_group"):  # group-limited routing, 4 experts
+        if values.get(group) is not None:
+            rule.update({group: 1, "topk_group": 1})
+    experts = any(values.get(k) for k in _EXPERT_KEYS)
+    if experts and values.get("num_experts_per_tok", 0) is None:
+        rule["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
     new_layers = next((rule[k] for k in _LAYER_KEYS if k in rule), None)
     if layers and new_layers and layers != new_layers:
         for key, value in values.items():
             if isinstance(value, list) and len(value) == layers:
-                rule[key] = value[:new_layers]
+                rule[key] = _every_kind(value, new_layers)
             elif key == "per_layer_config" and isinstance(value, dict):
                 rule[key] = {i: c for i, c in value.items() if int(i) < new_layers}
+            elif (key.endswith("_layer_period") and isinstance(value, int)
+                  and value > new_layers // 2):  # a layer kind every `period` layers
+                rule[key] = new_layers // 2
+                offset = key.replace("_period", "_offset")
+                if isinstance(values.get(offset), int):
+                    rule[offset] = values[offset] % rule[key]
     if "tie_word_embeddings" in values:
         rule["tie_word_embeddings"] = False
     return rule
+
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _every_kind(per_layer: list, count: int) -> list:
+    """The first ``count`` entries of a per-layer list, the last ones replaced by the
+    kinds they lack (a hybrid stack whose first full-attention layer is its sixth keeps
+    one), so the shrunk model has every kind of layer the default has."""
+    kept = list(per_layer[:count])
+    missing = [k for k in dict.fromkeys(map(repr, per_layer)) if k not in map(repr, kept)]
+    by_repr = {repr(v): v for v in per_layer}
+    for i, kind in enumerate(missing[:count - 1]):
+        kept[count - 1 - i] = by_repr[kind]
+    return kept
 
 
 def alias_of(alias: dict, name: str) -> str:
@@ -186,6 +220,19 @@ def _cheap_cache_flush() -> None:
     backends.last_level_cache_bytes = lambda: 1 << 19
 
 
+def _default_build_error(model_type: str) -> str:
+    """Why transformers cannot build ``model_type`` from its own default config (on meta,
+    nothing allocated), or ``""`` when it can: the rule is not what breaks such a type."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception as exc:  # noqa: BLE001 - the reason is the row's
+        return _first_line(exc)
+    return ""
+
+
 def sweep_one(model_type: str, stage: str = "train") -> dict:
     """One row: build, unpipelined run, profile, plan, exact training (or why not);
     ``stage`` ``build`` stops after the unpipelined run (a fast pass over every type)."""
@@ -212,6 +259,10 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     except BaseException as exc:  # noqa: BLE001 - any failure is the row's reason
         row["reason"] = f"does not run unpipelined: {_first_line(exc)}"
+        default = _default_build_error(model_type)
+        if default and "cannot build" in row["reason"]:
+            row["reason"] = f"does not run unpipelined: transformers' default config does " \
+                            f"not build either: {default}"
         return row
     if stage == "build":
         return row

@@ -135,12 +135,21 @@ def build_hf_model(config: Any) -> nn.Module:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+_CONSTRUCTED = "_autopart_constructed"
+"""Attribute of a meta parameter holding the value its constructor gave it."""
+_KEEP_NUMEL = 1 << 16
+"""Largest parameter whose constructor value ``params_on_meta`` keeps (scales, biases)."""
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Create every ``nn.Parameter`` registered inside on the meta device; buffers stay real.
 
     Parameters are moved to meta as they are registered, before any module
-    initializes them, so no full-size weight is ever filled.
+    initializes them, so no full-size weight is ever filled. The value a constructor
+    gave a small parameter of at most one dimension (GPT-1's zero biases, Apertus'
+    xIELU slopes: values no ``_init_weights`` sets again) is kept beside it, and
+    ``empty_on`` starts the parameter from it.
     """
     original = nn.Module.register_parameter
 
@@ -149,8 +158,12 @@ def params_on_meta() -> Iterator[None]:
         if param is not None and param.device.type != "meta":
             held = module._parameters[name]
             extra = dict(held.__dict__)
+            extra.pop(_CONSTRUCTED, None)
             extra["requires_grad"] = param.requires_grad
-            module._parameters[name] = type(held)(held.to("meta"), **extra)
+            on_meta = type(held)(held.to("meta"), **extra)
+            if held.dim() <= 1 and held.numel() <= _KEEP_NUMEL:
+                setattr(on_meta, _CONSTRUCTED, held.detach().clone())
+            module._parameters[name] = on_meta
 
     nn.Module.register_parameter = register
     try:
@@ -159,17 +172,28 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def empty_on(module: nn.Module, device: torch.device | str) -> None:
+def empty_on(module: nn.Module, device: torch.device | str, *,
+             fill: float | None = None) -> None:
     """Give every meta parameter and buffer of ``module`` uninitialized storage on ``device``.
 
     Unlike ``nn.Module.to_empty`` it keeps the values of real buffers (rotary
-    tables built by ``params_on_meta``), moving them to ``device``.
+    tables built by ``params_on_meta``), moving them to ``device``, and starts a
+    parameter from the value its constructor gave it where ``params_on_meta`` kept one.
+    With ``fill``, the other meta parameters hold ``fill`` (NaN marks what no
+    initialization has set yet: ``init_hf_weights``).
     """
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None:
-                value = (torch.empty_like(p, device=device) if p.is_meta
-                         else p.detach().to(device))
+                kept = getattr(p, _CONSTRUCTED, None)
+                if p.is_meta and kept is not None and kept.shape == p.shape:
+                    value = kept.to(device=device, dtype=p.dtype, copy=True)
+                elif p.is_meta and fill is not None and p.is_floating_point():
+                    value = torch.full_like(p, fill, device=device)
+                elif p.is_meta:
+                    value = torch.empty_like(p, device=device)
+                else:
+                    value = p.detach().to(device)
                 sub._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
         for name, b in list(sub._buffers.items()):
             if b is not None:
@@ -197,13 +221,41 @@ def init_empty(module: nn.Module, *, std: float = 0.02) -> list[str]:
         if id(p) in covered:
             continue
         uncovered.append(name)
-        if name.endswith("bias"):
-            p.zero_()
-        elif p.dim() == 1:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, std)
+        _default_init(name, p, std)
     return uncovered
+
+
+def init_hf_weights(module: nn.Module, root: nn.Module, *, std: float = 0.02) -> list[str]:
+    """Initialize ``module`` (``root`` or one of its blocks), given storage by
+    ``empty_on(..., fill=nan)``, with the HF model ``root``'s own ``_init_weights``.
+
+    A parameter that ``_init_weights`` leaves unset and whose constructor set it on
+    the fly (GPT-1's ``Conv1D`` weights: ``nn.init.normal_`` inside ``__init__``, a
+    no-op on meta) still holds NaN afterwards; it gets zeros (biases), ones (other 1-D
+    weights) or N(0, ``std``), like ``init_empty``'s uncovered parameters. Call it under
+    ``torch.no_grad()`` with the RNG seeded as wanted.
+
+    Returns:
+        Names (in ``module``) of the parameters set by that fallback.
+    """
+    for sub in module.modules():
+        root._init_weights(sub)
+    unset = []
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and bool(torch.isnan(p).any()):
+            unset.append(name)
+            _default_init(name, p, std)
+    return unset
+
+
+def _default_init(name: str, p: torch.Tensor, std: float) -> None:
+    """Zeros for a bias, ones for another 1-D weight, else N(0, ``std``)."""
+    if name.endswith("bias"):
+        p.zero_()
+    elif p.dim() == 1:
+        p.fill_(1.0)
+    else:
+        p.normal_(0.0, std)
 
 
 def fill_meta_buffers(model: nn.Module) -> list[str]:

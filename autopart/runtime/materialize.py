@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.sources import empty_on, init_empty
+from autopart.intake.sources import empty_on, init_empty, init_hf_weights
 
 __all__ = []
 
@@ -78,7 +78,8 @@ def materialize_blocks(root: nn.Module, blocks: list[tuple[int, str]], *,
         module = root.get_submodule(fqn)
         on_meta = any(t.is_meta for t in _tensors(module))
         if on_meta:
-            empty_on(module, device)
+            hf = reader is None and param_init_fn is None and hasattr(root, "_init_weights")
+            empty_on(module, device, fill=float("nan") if hf else None)
         else:
             module.to(device)
         if dtype is not None:
@@ -126,8 +127,11 @@ def _init_block(root: nn.Module, module: nn.Module, block_idx: int,
                                "zeros, ones or N(0, 0.02); pass param_init_fn or "
                                "checkpoint_path to choose", block_idx, type(module).__name__,
                                ", ".join(uncovered[:3]))
-        for sub in module.modules() if hf_init is not None else ():
-            hf_init(sub)
+        elif unset := init_hf_weights(module, root):
+            logger.warning("block %d (%s): the model's _init_weights does not set %s; they "
+                           "got zeros, ones or N(0, 0.02); pass param_init_fn or "
+                           "checkpoint_path to choose", block_idx, type(module).__name__,
+                           ", ".join(unset[:3]))
     if any(b.is_meta for b in module.buffers()) and param_init_fn is None:
         logger.warning("block %s has buffers that default initialization does not set; "
                        "pass param_init_fn or checkpoint_path", type(module).__name__)
