@@ -71,8 +71,9 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
 """Per-family overrides where the rule alone cannot build a runnable model, with why."""
 
 
-def shrink(model_type: str):
-    """The default config of ``model_type`` with the rule (and its override) applied.
+def shrink(model_type: str, extra: dict | None = None):
+    """The default config of ``model_type`` with the rule (and its override, then
+    ``extra``) applied.
 
     The config is built anew from the rule's values, so that what a config derives from
     its sizes in its constructor (MLA's ``qk_head_dim``, Bamba's ``layers_block_type``)
@@ -81,6 +82,7 @@ def shrink(model_type: str):
 
     rule = _rule(AutoConfig.for_model(model_type).to_dict(), model_type)
     rule.update(OVERRIDES.get(model_type, ({}, ""))[0])
+    rule.update(extra or {})
     return AutoConfig.for_model(model_type, **rule)
 
 
@@ -172,7 +174,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}".replace("|", "/")
 
 
-def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
+def _train_worker(rank: int, world_size: int, model_type: str, plan, extra: dict) -> dict:
     from families import Reference, init_real
     from runtime_helpers import exact_step, padded_batch
 
@@ -180,7 +182,7 @@ def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
     from autopart.intake.sources import build_hf_model
     from autopart.runtime.builder import tied_parameters
 
-    config = shrink(model_type)
+    config = shrink(model_type, extra)
     torch.manual_seed(0)
     model = init_real(build_hf_model(config))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -191,9 +193,9 @@ def _train_worker(rank: int, world_size: int, model_type: str, plan) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
     reference = Reference(state, ids, mask, labels, out.loss.item(), grads)
-    meta = build_hf_model(shrink(model_type))
+    meta = build_hf_model(shrink(model_type, extra))
     aliases = {b: a for a, b in tied_parameters(meta, discover_blocks(meta))}
-    result = exact_step(shrink(model_type), plan, reference, aliases, False)
+    result = exact_step(shrink(model_type, extra), plan, reference, aliases, False)
     result["ref_loss"] = reference.loss
     return result
 
@@ -233,9 +235,11 @@ def _default_build_error(model_type: str) -> str:
     return ""
 
 
-def sweep_one(model_type: str, stage: str = "train") -> dict:
+def sweep_one(model_type: str, stage: str = "train", extra: dict | None = None) -> dict:
     """One row: build, unpipelined run, profile, plan, exact training (or why not);
-    ``stage`` ``build`` stops after the unpipelined run (a fast pass over every type)."""
+    ``stage`` ``build`` stops after the unpipelined run (a fast pass over every type).
+    ``extra``: config values over the rule's. An encoder type autopart refuses is tried
+    as a decoder too (``is_decoder=True``), and the row says how that went."""
     from families import init_real
     from runtime_helpers import padded_batch
 
@@ -246,7 +250,7 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
     row = {"type": model_type, "profile": "", "plan": "", "exact": "", "level": "",
            "reason": ""}
     try:
-        config = shrink(model_type)
+        config = shrink(model_type, extra)
         torch.manual_seed(0)
         model = build_hf_model(config)
         count = sum(p.numel() for p in model.parameters())
@@ -258,6 +262,13 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
         ids, mask, labels = padded_batch(vocab, batch=2, seq_len=12)
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     except BaseException as exc:  # noqa: BLE001 - any failure is the row's reason
+        if any(words in str(exc) for words in _REFUSALS) and not extra:
+            row["reason"] = f"refused: {str(exc).split(';')[0]}"
+            if stage == "train" and "is an encoder:" in str(exc):
+                decoder = sweep_one(model_type, stage, {"is_decoder": True})
+                row["reason"] += "; as a decoder (is_decoder=True): " + (
+                    "exact" if decoder["exact"] == "yes" else decoder["reason"] or "not exact")
+            return row
         row["reason"] = f"does not run unpipelined: {_first_line(exc)}"
         default = _default_build_error(model_type)
         if default and "cannot build" in row["reason"]:
@@ -267,7 +278,7 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
     if stage == "build":
         return row
     try:
-        profile = profile_model(build_hf_model(shrink(model_type)), backend="cpu", seq_len=8,
+        profile = profile_model(build_hf_model(shrink(model_type, extra)), backend="cpu", seq_len=8,
                                 num_warmup=0, num_repeats=1)
         row["profile"], row["level"] = "yes", profile.setup.granularity
     except BaseException as exc:  # noqa: BLE001
@@ -281,7 +292,7 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
         return row
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results = _fork_ranks(_train_worker, 2, Path(tmp), model_type, plan)
+            results = _fork_ranks(_train_worker, 2, Path(tmp), model_type, plan, extra)
         losses = [r["loss"] for r in results if r["loss"] is not None]
         diff = max(r["max_grad_diff"] for r in results)
         loss_diff = abs(losses[0] - results[0]["ref_loss"])
@@ -295,9 +306,13 @@ def sweep_one(model_type: str, stage: str = "train") -> dict:
     return row
 
 
+_REFUSALS = ("encoder-decoder model", "has no causal LM", "is an encoder:")
+"""Words of autopart's one-line refusals of types it does not pipeline."""
+
+
 def _refused(row: dict) -> bool:
-    """autopart refused the type in one line (encoder-decoder, no causal LM)."""
-    return "encoder-decoder model" in row["reason"] or "has no causal LM" in row["reason"]
+    """autopart refused the type in one line (encoder-decoder, encoder, no causal LM)."""
+    return any(words in row["reason"] for words in _REFUSALS)
 
 
 def read_table(path: Path) -> list[dict]:
@@ -324,7 +339,7 @@ def write_table(rows: list[dict], out: Path, total: int, seconds: float) -> None
         "",
         f"- types swept: {len(rows)} of {total} in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`"
         + (f" ({seconds / 60:.0f} min)" if seconds else ""),
-        f"- refused in one line as encoder-decoder or non-causal: {len(refused)}",
+        f"- refused in one line as encoder-decoder or encoder (non-causal): {len(refused)}",
         f"- others not running unpipelined on the shrunk config: "
         f"{len(rows) - len(refused) - len(runs)}",
         f"- run unpipelined on the shrunk config: {len(runs)}",

@@ -316,6 +316,30 @@ def _refuse_non_causal(config: Any) -> None:
         raise ModelSourceError(
             f"model_type {model_type!r} has no causal LM in transformers (an encoder-only or "
             f"other non-causal type); autopart pipelines decoder-only causal LMs")
+    head = _encoder_head(config, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    if head:
+        raise ModelSourceError(
+            f"model_type {model_type!r} is an encoder: {head} attends in both directions "
+            f"unless the config sets is_decoder=True; autopart pipelines decoder-only causal "
+            f"LMs (set is_decoder=True for a causal decoder)")
+
+
+def _encoder_head(config: Any, class_name: Any) -> str:
+    """The causal-LM class name when ``config`` is an encoder's with ``is_decoder`` off and
+    that class asks for ``is_decoder=True`` to be causal (BERT, RoBERTa, ELECTRA, ...:
+    transformers warns "add `is_decoder=True`" when it builds one), else ``""``."""
+    import inspect
+
+    import transformers
+
+    if getattr(config, "is_decoder", True) or not isinstance(class_name, str):
+        return ""
+    cls = getattr(transformers, class_name, None)
+    try:
+        source = inspect.getsource(cls.__init__) if cls is not None else ""
+    except (OSError, TypeError):  # no source shipped: not decidable, let it through
+        return ""
+    return class_name if "is_decoder=True" in source else ""
 
 
 def _config_from_dict(data: Any, where: str, auto_config: Any) -> Any:
