@@ -98,3 +98,14 @@ def test_init_real_leaves_no_parameter_unset():
     act, fresh = model.model.layers[0].mlp.act_fn, XIELUActivation()
     assert act.alpha_p.item() == pytest.approx(fresh.alpha_p.item(), rel=1e-2)  # bf16 there
     assert act.alpha_n.item() == pytest.approx(fresh.alpha_n.item(), rel=1e-2)
+
+
+def test_a_half_reading_a_child_weight_itself_stays_whole():
+    """LFM3's short convolution hands ``conv.weight`` to a kernel function instead of
+    calling the module: at the projection level its halves stay whole (a note says why)
+    instead of the whole model being refused."""
+    model = build_hf_model(family_sweep.shrink("lfm3"))
+    chain = discover_blocks(model, granularity="projection")
+    assert chain.granularity == "half"
+    assert any("halves stay whole" in note and "outside its blocks" in note
+               for note in chain.notes)
