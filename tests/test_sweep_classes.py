@@ -109,3 +109,14 @@ def test_a_half_reading_a_child_weight_itself_stays_whole():
     assert chain.granularity == "half"
     assert any("halves stay whole" in note and "outside its blocks" in note
                for note in chain.notes)
+
+
+def test_each_sub_module_is_initialized_by_its_innermost_hf_model():
+    """Gemma 3n's ``_init_weights`` reads ``hidden_size``, which only its inner text model
+    has: initializing the causal LM goes through that model for its sub-modules."""
+    model = build_hf_model(family_sweep.shrink("gemma3n_text"))
+    empty_on(model, "cpu", fill=float("nan"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        init_hf_weights(model, model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -235,17 +235,37 @@ def init_hf_weights(module: nn.Module, root: nn.Module, *, std: float = 0.02) ->
     weights) or N(0, ``std``), like ``init_empty``'s uncovered parameters. Call it under
     ``torch.no_grad()`` with the RNG seeded as wanted.
 
+    Each sub-module is initialized by the innermost HF model holding it, as
+    transformers does (Gemma 3n's and xLSTM's ``_init_weights`` read attributes only
+    their inner text model has).
+
     Returns:
         Names (in ``module``) of the parameters set by that fallback.
     """
+    owner = _init_owners(root)
     for sub in module.modules():
-        root._init_weights(sub)
+        owner.get(id(sub), root)._init_weights(sub)
     unset = []
     for name, p in module.named_parameters():
         if p.is_floating_point() and bool(torch.isnan(p).any()):
             unset.append(name)
             _default_init(name, p, std)
     return unset
+
+
+def _init_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """``id(module) -> the innermost module with ``_init_weights`` holding it`` in ``root``."""
+    owner: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, current: nn.Module) -> None:
+        if callable(getattr(module, "_init_weights", None)):
+            current = module
+        owner[id(module)] = current
+        for child in module.children():
+            walk(child, current)
+
+    walk(root, root)
+    return owner
 
 
 def _default_init(name: str, p: torch.Tensor, std: float) -> None:
