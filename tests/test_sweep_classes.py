@@ -120,3 +120,25 @@ def test_each_sub_module_is_initialized_by_its_innermost_hf_model():
     with torch.no_grad():
         init_hf_weights(model, model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["jetmoe", "longcat_flash"])
+def test_blocks_meta_cannot_run_are_watched_on_a_real_copy(model_type):
+    """JetMoE's attention experts read their token counts with ``tolist`` and LongCat's
+    router calls ``nonzero``: meta cannot run them, so a stand-in runs a small real copy
+    of the block and the model is split like any other."""
+    chain = discover_blocks(build_hf_model(family_sweep.shrink(model_type)))
+    assert sum(1 for b in chain.blocks if b.kind == "decoder_layer") == 4
+
+
+@pytest.mark.parametrize("model_type", ["zaya", "hrm_text"])
+def test_a_parameter_glue_code_reads_is_named_in_one_line(model_type):
+    """ZAYA scales its embeddings by a parameter of the model itself and HRM starts its
+    recurrence from one: one line says a parameter is used outside the blocks, not that
+    the forward failed on meta."""
+    from autopart.errors import ModelSourceError
+
+    with pytest.raises(ModelSourceError, match="uses a parameter of shape .* outside its "
+                                               "blocks") as info:
+        discover_blocks(build_hf_model(family_sweep.shrink(model_type)))
+    assert "\n" not in str(info.value)
