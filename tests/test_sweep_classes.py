@@ -142,3 +142,15 @@ def test_a_parameter_glue_code_reads_is_named_in_one_line(model_type):
                                                "blocks") as info:
         discover_blocks(build_hf_model(family_sweep.shrink(model_type)))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("model_type", "shifted"), [("llama", True), ("gpt2", True),
+                                                     ("cpmant", False), ("xlnet", False)])
+def test_the_built_in_loss_shifts_labels_as_the_model_does(model_type, shifted):
+    """CPM-Ant and XLNet apply cross entropy to their labels as given: the built-in loss
+    of their pipelines does not shift them (as for every other causal LM it does)."""
+    from autopart.runtime.builder import split_loss
+
+    model = build_hf_model(family_sweep.shrink(model_type))
+    builtin, custom = split_loss(None, discover_blocks(model, granularity="layer"), model)
+    assert custom is None and builtin.shift_labels is shifted
