@@ -145,9 +145,10 @@ def test_a_parameter_glue_code_reads_is_named_in_one_line(model_type):
 
 
 @pytest.mark.parametrize(("model_type", "shifted"), [("llama", True), ("gpt2", True),
-                                                     ("cpmant", False), ("xlnet", False)])
+                                                     ("cpmant", False), ("xlnet", False),
+                                                     ("trocr", False)])
 def test_the_built_in_loss_shifts_labels_as_the_model_does(model_type, shifted):
-    """CPM-Ant and XLNet apply cross entropy to their labels as given: the built-in loss
+    """CPM-Ant, XLNet and TrOCR apply cross entropy to their labels as given: the built-in loss
     of their pipelines does not shift them (as for every other causal LM it does)."""
     from autopart.runtime.builder import split_loss
 

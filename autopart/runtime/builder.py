@@ -261,16 +261,22 @@ def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain,
 
 def shifts_labels(model: nn.Module) -> bool:
     """Whether the HF model's own loss shifts the labels by one (HF's ``loss_function``,
-    or its own shift), as ``labels=`` means for nearly every causal LM. CPM-Ant and XLNet
-    apply ``CrossEntropyLoss`` to the labels as given: their labels are aligned with the
-    logits already. Decided from the source of the model's ``forward``; ``True`` where
-    it cannot be read."""
+    or its own shift), as ``labels=`` means for nearly every causal LM. CPM-Ant, XLNet and
+    TrOCR apply ``CrossEntropyLoss`` to the labels as given: their labels are aligned
+    with the logits already. Decided from the code of the model's ``forward`` (its
+    docstring left out); ``True`` where it cannot be read."""
+    import ast
     import inspect
+    import textwrap
 
     try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
         return True
+    func = tree.body[0]
+    if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(func):
+        func.body = func.body[1:]  # TrOCR's docstring says its labels are "not shifted"
+    source = ast.unparse(tree)
     if "loss_function" in source or "shift" in source:
         return True
     return "CrossEntropyLoss" not in source and "cross_entropy" not in source
