@@ -95,9 +95,11 @@ def _rule(values: dict, model_type: str) -> dict:
     """The rule's values for one config's ``to_dict()`` and every sub-config it holds.
 
     Sizes become ``SIZES``' values, found under the config's own names too (its
-    ``attribute_map``: XLM's ``emb_dim`` is its hidden size). Key-value heads keep the
+    ``attribute_map``: XLM's ``emb_dim`` is its hidden size); a size 0 (a feature off)
+    stays 0. Key-value heads keep the
     default's grouping (a config with as many as query heads keeps as many); an MLA
-    config's ``head_dim`` is its rotary part, ``qk_rope_head_dim``. Probabilities
+    config's ``head_dim`` stays its rotary part (``qk_rope_head_dim``) or the whole
+    query-key head, as in the default. Probabilities
     (dropout, jitter) become 0; every list with one entry per layer (layer types, block
     types) keeps its first entries, a dict of per-layer configs its first layers'; the
     embeddings are untied."""
@@ -109,7 +111,7 @@ def _rule(values: dict, model_type: str) -> dict:
     rule: dict = {}
     for key, value in values.items():
         name = key if key in SIZES else alias.get(key, key)
-        if name in SIZES and (value is not None or name in _DERIVED_WHEN_NONE):
+        if name in SIZES and value != 0 and (value is not None or name in _DERIVED_WHEN_NONE):
             rule[key] = SIZES[name]
         elif isinstance(value, float) and ("dropout" in key or "pdrop" in key
                                            or "jitter" in key):
@@ -119,8 +121,11 @@ def _rule(values: dict, model_type: str) -> dict:
     heads = values.get("num_attention_heads", values.get(alias_of(alias, "num_attention_heads")))
     if "num_key_value_heads" in values and values["num_key_value_heads"] in (None, heads):
         rule["num_key_value_heads"] = SIZES["num_attention_heads"]
-    if "qk_rope_head_dim" in values:
+    rope, nope = values.get("qk_rope_head_dim"), values.get("qk_nope_head_dim")
+    if rope and values.get("head_dim") in (None, rope):  # MLA: head_dim is the rotary part
         rule["head_dim"] = SIZES["qk_rope_head_dim"]
+    elif rope and nope and values.get("head_dim") == rope + nope:  # or the whole qk head
+        rule["head_dim"] = SIZES["qk_rope_head_dim"] + SIZES["qk_nope_head_dim"]
     for group in ("n_group", "num_expert_group"):  # group-limited routing, 4 experts
         if values.get(group) is not None:
             rule.update({group: 1, "topk_group": 1})
