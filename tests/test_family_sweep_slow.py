@@ -4,7 +4,9 @@
 over: a dense Llama-like model, an MoE (Mixtral), hybrid linear attention (Qwen3-Next),
 MLA with a dense first layer (DeepSeek-V2), a Mamba hybrid whose stage gradients are
 not contiguous (Zamba), a model whose halves read a convolution's weight themselves
-(LFM3), GPT-1 (no ``_no_split_modules``, weights set in its constructor), an encoder
+(LFM3), GPT-1 (no ``_no_split_modules``, weights set in its constructor), sparse
+attention whose integer top-k indices cross the cut (Hy-V4), a loss on unshifted
+labels (CPM-Ant), an encoder
 refused unless it is a decoder (BERT) and an encoder-decoder refused in one line (BART).
 """
 
@@ -23,7 +25,8 @@ _SPEC = importlib.util.spec_from_file_location("family_sweep",
 family_sweep = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(family_sweep)
 
-EXACT = ["llama", "mixtral", "qwen3_next", "deepseek_v2", "zamba", "lfm3", "openai-gpt"]
+EXACT = ["llama", "mixtral", "qwen3_next", "deepseek_v2", "zamba", "lfm3", "openai-gpt",
+         "hy_v4", "cpmant"]
 REFUSED = {"bart": "refused: model_type 'bart' is an encoder-decoder model",
            "bert": "as a decoder (is_decoder=True): exact"}
 

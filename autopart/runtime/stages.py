@@ -387,8 +387,26 @@ def build_stage_modules(root: nn.Module, chain: BlockChain, plan: Plan,
 def wrap_stages(modules: list[nn.Module], stages: list[StagePlan], num_stages: int,
                 device: torch.device, group: dist.ProcessGroup) -> list[PipelineStage]:
     """``PipelineStage`` objects (shapes inferred at the first step)."""
-    return [PipelineStage(module, stage.index, num_stages, device, group=group)
+    return [_ZeroedInferenceStage(module, stage.index, num_stages, device, group=group)
             for module, stage in zip(modules, stages)]
+
+
+class _ZeroedInferenceStage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference runs the stage on zeros.
+
+    torch infers a later stage's output shapes by running it on tensors made from the
+    received metadata, left uninitialized: integers received there (Hy-V4's top-k token
+    indices, passed from layer to layer) then index out of bounds. Zeros are valid
+    indices and finite values."""
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        """torch's tensor for ``arg`` (a tensor, or metadata to make one from), zeroed
+        when made from metadata."""
+        made = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and type(made) is torch.Tensor:
+            with torch.no_grad():
+                made.zero_()
+        return made
 
 
 def build_schedule(plan: Plan, stages: list[PipelineStage],
