@@ -106,12 +106,14 @@ def real_model(config) -> nn.Module:
 
 
 def init_real(model: nn.Module) -> nn.Module:
-    """Give an HF model built on meta real storage on the CPU and its own initialization."""
-    from autopart.intake.sources import empty_on
+    """Give an HF model built on meta real storage on the CPU and its own initialization
+    (``autopart.intake.sources.init_hf_weights``: what ``_init_weights`` leaves unset gets
+    a default, as on a pipeline rank)."""
+    from autopart.intake.sources import empty_on, init_hf_weights
 
-    empty_on(model, "cpu")
-    for module in model.modules():
-        model._init_weights(module)
+    empty_on(model, "cpu", fill=float("nan"))
+    with torch.no_grad():
+        init_hf_weights(model, model)
     model.tie_weights()
     return model
 

@@ -125,14 +125,16 @@ def padded_batch(vocab_size: int, batch: int = 8, seq_len: int = 12, seed: int =
 def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
                    ref_grads: dict[str, torch.Tensor], aliases: dict[str, str] | None = None
                    ) -> dict[str, float]:
-    """Max |grad - reference grad| per parameter FQN (inf when a gradient is missing; 0 for
-    a parameter that requires none and has none in either model)."""
+    """Max |grad - reference grad| per parameter FQN (inf when one model has a gradient the
+    other lacks; 0 for a parameter with no gradient in either model: frozen, like an MoE
+    router's load-balancing bias, or unused by this input, like a sparse-attention
+    indexer whose output only selects positions or a vision tower fed no image)."""
     aliases = aliases or {}
     diffs = {}
     for name, p in named_params:
         ref = ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
-        if ref is None and not p.requires_grad and (p.grad is None or not p.grad.any()):
-            diffs[name] = 0.0  # frozen in both (an MoE router's load-balancing bias)
+        if ref is None and (p.grad is None or not p.grad.any()):
+            diffs[name] = 0.0  # no gradient in either model
         elif p.grad is None or ref is None:
             diffs[name] = float("inf")
         else:

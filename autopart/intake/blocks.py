@@ -204,10 +204,26 @@ def example_inputs(model: nn.Module, candidates: list[str], micro_batch_size: in
 
 
 def _is_hf_causal_lm(model: nn.Module) -> bool:
+    """An HF model with an output embedding that names its layers (``_no_split_modules``)
+    or is one of transformers' registered causal LMs (GPT-1, XLNet, RemBERT name none)."""
     config = getattr(model, "config", None)
-    return (config is not None and bool(getattr(model, "_no_split_modules", None))
-            and hasattr(model, "get_output_embeddings")
-            and model.get_output_embeddings() is not None)
+    if (config is None or not hasattr(model, "get_output_embeddings")
+            or model.get_output_embeddings() is None):
+        return False
+    if getattr(model, "_no_split_modules", None):
+        return True
+    return (type(model).__module__.startswith("transformers.")
+            and type(model).__name__ in _registered_causal_lms())
+
+
+def _registered_causal_lms() -> set[str]:
+    """Class names of transformers' ``AutoModelForCausalLM`` registry."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((value,) if isinstance(value, str) else value)
+    return names
 
 
 def _layers(model: nn.Module, layer_classes: list[str] | None) -> list[str]:

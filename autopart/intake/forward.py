@@ -179,9 +179,12 @@ class StandIn:
         if key not in self._cache:
             if self._meta is None:
                 self._meta = meta_copy(self._source)
-            with torch.no_grad():
-                out = self._meta(*tree_map_only(torch.Tensor, _meta, args),
-                                 **tree_map_only(torch.Tensor, _meta, kwargs))
+            try:
+                with torch.no_grad():
+                    out = self._meta(*tree_map_only(torch.Tensor, _meta, args),
+                                     **tree_map_only(torch.Tensor, _meta, kwargs))
+            except Exception as exc:  # noqa: BLE001 - data-dependent code meta cannot run
+                out = self._run_real(args, kwargs, exc)
             out_leaves, spec = tree_flatten(out)
             shapes = [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else None
                       for x in out_leaves]
@@ -198,6 +201,48 @@ class StandIn:
             else:
                 made.append(torch.zeros(shape[0], dtype=shape[1], device=device))
         return tree_unflatten(made, spec)
+
+
+    def _run_real(self, args: tuple, kwargs: dict, meta_error: Exception) -> Any:
+        """The block's output for these inputs from a real CPU copy with small random
+        weights, where meta cannot run it: code whose shapes depend on values
+        (JetMoE's attention experts read their token counts with ``tolist``, LongCat's
+        router calls ``nonzero``) or that mixes its tensors with CPU ones. Only blocks
+        of at most ``REAL_STAND_IN_BYTES`` of parameters are copied; a larger one
+        raises the meta run's error."""
+        size = sum(p.numel() * p.element_size() for p in self._source.parameters())
+        if size > REAL_STAND_IN_BYTES:
+            raise meta_error
+        memo: dict[int, Any] = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for p in self._source.parameters():
+                value = torch.empty(p.shape, dtype=p.dtype)
+                if value.is_floating_point():
+                    value.normal_(0.0, 0.02)
+                else:
+                    value.zero_()
+                memo[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+            for b in self._source.buffers():
+                memo[id(b)] = (torch.zeros(b.shape, dtype=b.dtype) if b.is_meta
+                               else b.detach().to("cpu", copy=True))
+            real = copy.deepcopy(self._source, memo)
+            for sub in real.modules():
+                sub.__dict__.pop("forward", None)  # a routed forward copied from ``intercept``
+            with torch.no_grad():
+                return real(*tree_map_only(torch.Tensor, _on_cpu, args),
+                            **tree_map_only(torch.Tensor, _on_cpu, kwargs))
+
+
+REAL_STAND_IN_BYTES = 1 << 30
+"""Largest block (parameter bytes) a stand-in copies onto the CPU to run for real."""
+
+
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU (zeros of its shape where it is on meta), outside autograd."""
+    if t.is_meta:
+        return torch.zeros(t.shape, dtype=t.dtype)
+    return t.detach().to("cpu")
 
 
 def structure_key(module: nn.Module) -> str:

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from autopart.errors import ModelSourceError
 from autopart.intake.chain import BlockChain
 from autopart.intake.watch import CallRecord, ForwardTrace
 from autopart.schema.parts import Part
@@ -114,7 +115,10 @@ def split_inner(model: nn.Module, chain, watch: Watch, what: str):
         return replace(chain, notes=(*chain.notes, "halves stay whole: their modules hold "
                                      "fewer than two sub-modules with parameters"))
     candidates = [c for f in chain.call_fqns for c in parents.get(f, [f])]
-    order, inner = watch(model, candidates, what)
+    try:
+        order, inner = watch(model, candidates, what)
+    except ModelSourceError as exc:  # e.g. a half reads a sub-module's weight itself
+        return replace(chain, notes=(*chain.notes, f"halves stay whole: {exc}"))
     cut_of: dict[str, int] = {}
     reasons: list[str] = []
     for parent, kids in parents.items():

@@ -108,7 +108,14 @@ class _Labels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if not self.inside:  # glue code failing on a parameter it reads (on meta)
+                self.params_in_glue += [f"{tuple(x.shape)}"
+                                        for x in leaf_paths(tuple(args), kwargs)
+                                        if isinstance(x, nn.Parameter)]
+            raise
         if self.inside:
             return out
         name = getattr(func, "__name__", "")
@@ -180,6 +187,8 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
     except ModelSourceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of model code becomes one line
+        if mode.params_in_glue:
+            raise _outside(what, mode.params_in_glue[0]) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelSourceError(
             f"{what}'s forward failed while autopart watched it ({type(exc).__name__}: "
@@ -187,10 +196,7 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
             f"{_shapes(args)}, or define autopart_example_input(micro_batch_size, seq_len)"
         ) from None
     if mode.params_in_glue:
-        raise ModelSourceError(
-            f"{what}'s forward uses a parameter of shape {mode.params_in_glue[0]} outside its "
-            f"blocks, so no pipeline stage could own it; move it into a submodule or pass "
-            f"--layer-class to choose the blocks")
+        raise _outside(what, mode.params_in_glue[0])
     if mode.value_reads:
         raise ModelSourceError(
             f"{what}'s forward reads the values of its blocks' outputs between blocks "
@@ -274,3 +280,11 @@ def _record(fqn: str, args: tuple, kwargs: dict, mode: _Labels,
 
 def _shapes(args: tuple) -> str:
     return ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor)) or "()"
+
+
+def _outside(what: str, shape: str) -> ModelSourceError:
+    """The one line for a forward that uses a parameter outside every block."""
+    return ModelSourceError(
+        f"{what}'s forward uses a parameter of shape {shape} outside its blocks, so no "
+        f"pipeline stage could own it; move it into a submodule or pass --layer-class to "
+        f"choose the blocks")

@@ -46,7 +46,7 @@ def check_shapes(loaded: LoadedModel, chain: BlockChain, seq_len: int, backend: 
         if seq_len < 2:
             raise ProfileError(f"seq_len {seq_len} is too short for a next-token loss; "
                                f"use --seq-len 2 or more")
-        if isinstance(max_pos, int) and seq_len > max_pos:
+        if isinstance(max_pos, int) and 0 < max_pos < seq_len:  # -1: no limit (XLNet)
             raise ProfileError(f"seq_len {seq_len} exceeds {loaded.name}'s "
                                f"max_position_embeddings ({max_pos}); lower --seq-len")
 

@@ -138,7 +138,7 @@ def _checked_setup(source: nn.Module | str, plan: Plan | str | Path,
     root = load_model(source).model
     chain = discover_blocks(root)
     check_model(chain, has_loss_fn=loss_fn is not None)
-    builtin, custom = split_loss(loss_fn, chain)
+    builtin, custom = split_loss(loss_fn, chain, root)
     recompute = recompute_rule(opts.activation_checkpointing)
     dev = _resolve_device(opts.device)
     groups, plan_obj, tp_plan = _groups_and_plan(plan, source, root, chain, opts, dev, auto,
@@ -246,15 +246,40 @@ def _token_loss(builtin: CausalLMLoss | None, split_head: bool, tp: TensorParall
     return LogitsLoss(builtin)
 
 
-def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain
+def split_loss(loss_fn: Callable[..., torch.Tensor] | None, chain: BlockChain,
+               root: nn.Module | None = None
                ) -> tuple[CausalLMLoss | None, Callable[..., torch.Tensor] | None]:
     """``(built-in loss, custom loss)``, one of them ``None``: ``loss_fn`` itself when it is a
-    ``CausalLMLoss``, the default ``CausalLMLoss()`` for an HF causal LM without one."""
+    ``CausalLMLoss``, the default ``CausalLMLoss()`` for an HF causal LM without one
+    (its labels unshifted where the model's own loss does not shift them: ``root``)."""
     if isinstance(loss_fn, CausalLMLoss):
         return loss_fn, None
     if loss_fn is None and chain.family == "hf_causal_lm":
-        return CausalLMLoss(), None
+        return CausalLMLoss(shift_labels=root is None or shifts_labels(root)), None
     return None, loss_fn
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether the HF model's own loss shifts the labels by one (HF's ``loss_function``,
+    or its own shift), as ``labels=`` means for nearly every causal LM. CPM-Ant, XLNet and
+    TrOCR apply ``CrossEntropyLoss`` to the labels as given: their labels are aligned
+    with the logits already. Decided from the code of the model's ``forward`` (its
+    docstring left out); ``True`` where it cannot be read."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    func = tree.body[0]
+    if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(func):
+        func.body = func.body[1:]  # TrOCR's docstring says its labels are "not shifted"
+    source = ast.unparse(tree)
+    if "loss_function" in source or "shift" in source:
+        return True
+    return "CrossEntropyLoss" not in source and "cross_entropy" not in source
 
 
 def _groups_and_plan(plan: Plan | str | Path, source: nn.Module | str, root: nn.Module,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.sources import empty_on, init_empty_parameter
+from autopart.intake.sources import empty_on, init_empty_parameter, init_hf_weights
 
 __all__ = []
 
@@ -80,7 +80,8 @@ def materialize_blocks(root: nn.Module, blocks: list[tuple[int, str]], *,
         module = root.get_submodule(fqn)
         on_meta = any(t.is_meta for t in _tensors(module))
         if on_meta:
-            empty_on(module, device)
+            hf = reader is None and param_init_fn is None and hasattr(root, "_init_weights")
+            empty_on(module, device, fill=float("nan") if hf else None)
         else:
             module.to(device)
         if dtype is not None:
@@ -116,6 +117,25 @@ def _seed(init_seed: int, fqn: str) -> int:
     return init_seed * 1_000_003 + zlib.crc32(fqn.encode())
 
 
+def _reset_each(module: nn.Module, fqn: str, seed_each: Callable[[str], None]) -> list[str]:
+    """Each submodule's ``reset_parameters``, seeded by its FQN; the parameters none covers
+    get ``init_empty_parameter``'s values, seeded by theirs. Returns those parameters."""
+    covered: set[int] = set()
+    for name, sub in module.named_modules(prefix=fqn):
+        seed_each(name)
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+            covered.update(id(p) for p in sub.parameters(recurse=False))
+    uncovered = []
+    for name, p in module.named_parameters(prefix=fqn):
+        if id(p) not in covered:
+            uncovered.append(name)
+            seed_each(name)
+            init_empty_parameter(name, p)
+    return uncovered
+
+
 def _init_block(root: nn.Module, module: nn.Module, fqn: str,
                 param_init_fn: Callable[[nn.Module], None] | None, init_seed: int,
                 device: torch.device) -> None:
@@ -127,33 +147,23 @@ def _init_block(root: nn.Module, module: nn.Module, fqn: str,
     """
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
+        def seed_each(name: str) -> None:
+            torch.manual_seed(_seed(init_seed, name))
+
         if param_init_fn is not None:
-            torch.manual_seed(_seed(init_seed, fqn))
+            seed_each(fqn)
             param_init_fn(module)
             return
-        hf_init = getattr(root, "_init_weights", None)
-        covered: set[int] = set()
-        for name, sub in module.named_modules(prefix=fqn):
-            torch.manual_seed(_seed(init_seed, name))
-            if hf_init is not None:
-                hf_init(sub)
-                continue
-            reset = getattr(sub, "reset_parameters", None) or \
-                getattr(sub, "_reset_parameters", None)
-            if callable(reset):
-                reset()
-                covered.update(id(p) for p in sub.parameters(recurse=False))
-        uncovered = []
-        for name, p in module.named_parameters(prefix=fqn):
-            if hf_init is not None or id(p) in covered:
-                continue
-            uncovered.append(name)
-            torch.manual_seed(_seed(init_seed, name))
-            init_empty_parameter(name, p)
-        if uncovered:
-            logger.warning("%s (%s): no reset_parameters sets %s; they got zeros, ones or "
-                           "N(0, 0.02); pass param_init_fn or checkpoint_path to choose", fqn,
-                           type(module).__name__, ", ".join(uncovered[:3]))
+        if getattr(root, "_init_weights", None) is not None:
+            unset = init_hf_weights(module, root, seed_each=seed_each, prefix=fqn)
+            why = "the model's _init_weights does not set"
+        else:
+            unset = _reset_each(module, fqn, seed_each)
+            why = "no reset_parameters sets"
+        if unset:
+            logger.warning("%s (%s): %s %s; they got zeros, ones or N(0, 0.02); pass "
+                           "param_init_fn or checkpoint_path to choose", fqn,
+                           type(module).__name__, why, ", ".join(unset[:3]))
     if any(b.is_meta for b in module.buffers()) and param_init_fn is None:
         logger.warning("block %s has buffers that default initialization does not set; "
                        "pass param_init_fn or checkpoint_path", type(module).__name__)

@@ -161,6 +161,8 @@ class ForwardStage(Tree):
             inputs.append(kwargs.pop(input_kwarg(len(inputs))))
         labels = kwargs.pop(LABELS_KWARG, None)
         model_args = args if self.is_first else tuple(inputs)
+        if not self.is_first:
+            _contiguous_grads(args)
         received = None if self.is_first else self._from_shards(args)
         device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
         autocast = (torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
@@ -320,10 +322,15 @@ def _sendable(stream: tuple[torch.Tensor, ...], carried: tuple[torch.Tensor, ...
     ``hidden_states[:, slice, :]``) does not allow: a view is sent as a copy (a sequence-
     parallel ``DTensor`` is sent as its local shard, a view too), and so is a
     received tensor sent on (a stage inside one half passes ``P``'s input and the
-    residual through); with ``copy`` every value is sent as a copy."""
+    residual through); with ``copy`` every value is sent as a copy. Every copy is
+    contiguous, and so is every value sent: gloo sends and receives contiguous tensors
+    only, and torch receives a stage output's gradient into a buffer laid out like the
+    output (Zamba's and RecurrentGemma's layers return transposed-stride outputs)."""
     passed = {id(t) for t in received or ()}
     local = (t.to_local() if isinstance(t, DTensor) else t for t in (*stream, *carried))
-    values = tuple(t.clone() if copy or t._is_view() or id(t) in passed else t for t in local)
+    values = tuple(t.clone(memory_format=torch.contiguous_format)
+                   if copy or t._is_view() or id(t) in passed or not t.is_contiguous() else t
+                   for t in local)
     return values[0] if len(values) == 1 else values
 
 
@@ -339,6 +346,21 @@ def _hooks_suspended(modules: list[nn.Module]) -> Any:
     finally:
         for m, pre, post in saved:
             m._forward_pre_hooks, m._forward_hooks = pre, post
+
+
+def _contiguous_grads(received: tuple) -> None:
+    """Make the gradients of the received tensors contiguous, as they are sent back: gloo
+    sends only contiguous tensors, and the sending stage receives them into a buffer
+    laid out like the gradient torch found when it inferred the shapes (Zamba's shared
+    attention gives its input a transposed-stride gradient)."""
+    for t in received:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(_contiguous)
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in contiguous memory (a tensor hook)."""
+    return grad.contiguous()
 
 
 def _local(value: Any) -> Any:
@@ -368,8 +390,26 @@ def build_stage_modules(root: nn.Module, chain: BlockChain, plan: Plan,
 def wrap_stages(modules: list[nn.Module], stages: list[StagePlan], num_stages: int,
                 device: torch.device, group: dist.ProcessGroup) -> list[PipelineStage]:
     """``PipelineStage`` objects (shapes inferred at the first step)."""
-    return [PipelineStage(module, stage.index, num_stages, device, group=group)
+    return [_ZeroedInferenceStage(module, stage.index, num_stages, device, group=group)
             for module, stage in zip(modules, stages)]
+
+
+class _ZeroedInferenceStage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference runs the stage on zeros.
+
+    torch infers a later stage's output shapes by running it on tensors made from the
+    received metadata, left uninitialized: integers received there (Hy-V4's top-k token
+    indices, passed from layer to layer) then index out of bounds. Zeros are valid
+    indices and finite values."""
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        """torch's tensor for ``arg`` (a tensor, or metadata to make one from), zeroed
+        when made from metadata."""
+        made = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and type(made) is torch.Tensor:
+            with torch.no_grad():
+                made.zero_()
+        return made
 
 
 def build_schedule(plan: Plan, stages: list[PipelineStage],
