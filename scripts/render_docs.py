@@ -2,7 +2,7 @@
 
 In a ```console block, a line starting with ``$ `` is a command; the lines after it, up to
 the next command, are its output. ``render_docs.py`` runs each page's commands in order,
-in one fresh temporary directory per page (with ``examples/`` linked into it and it on
+in one fresh temporary directory per page (with ``examples/`` and ``benchmarks/`` linked into it and it on
 ``PYTHONPATH``, so ``examples.tutorial_model:transformer`` and the like resolve), and
 writes their combined stdout and stderr back in place.
 
@@ -57,9 +57,10 @@ def run(cmd: str, cwd: str, timeout: float = 600) -> subprocess.CompletedProcess
     # ``examples`` reachable by a link in ``cwd``, not the repository root on the path: that
     # would shadow the installed autopart with the checkout's, which lacks ``autopart.cli``
     # (mapped from ``cli/`` at install time).
-    link = Path(cwd) / "examples"
-    if not link.exists():
-        link.symlink_to(ROOT / "examples", target_is_directory=True)
+    for name in ("examples", "benchmarks"):
+        link = Path(cwd) / name
+        if not link.exists():
+            link.symlink_to(ROOT / name, target_is_directory=True)
     env = dict(os.environ, COLUMNS="200", PYTHONPATH=os.pathsep.join(
         [cwd, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run(cmd, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE,
