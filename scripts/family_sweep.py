@@ -219,15 +219,6 @@ def _fork_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
     return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def _cheap_cache_flush() -> None:
-    """Profile with a 1 MiB cache flush before each timed call: the sweep checks that a
-    profile is taken and planned, not its timings, and the CPU backend's flush of twice
-    the last-level cache (hundreds of MiB on a server CPU) took most of a type's time."""
-    from autopart.profile import backends
-
-    backends.last_level_cache_bytes = lambda: 1 << 19
-
-
 def _default_build_error(model_type: str) -> str:
     """Why transformers cannot build ``model_type`` from its own default config (on meta,
     nothing allocated), or ``""`` when it can: the rule is not what breaks such a type."""
@@ -405,7 +396,6 @@ def main() -> int:
         return 0
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # ranks are forked from this process (fork-safe: one thread)
-    _cheap_cache_flush()
     signal.signal(signal.SIGALRM, _timeout)
     logging.disable(logging.WARNING)
     types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
