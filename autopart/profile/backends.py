@@ -254,9 +254,9 @@ time; ``auto`` is ``thread`` on cpu with one torch thread, else ``wall`` (``auto
 
 def auto_clock(name: str) -> str:
     """The clock ``auto`` means on backend ``name``: the thread's CPU time on one-thread
-    cpu profiles (the timing sweep: under load, wall-clock profiles read 72% / 118% above
-    the stages' CPU time in a pipeline, thread-clock ones 27% / 3%; docs/timing-sweep.md),
-    else the wall clock."""
+    cpu profiles (the timing sweep: under load, wall-clock profiles read 72% / 118% off
+    the stages' CPU time in a pipeline, thread-clock ones 28% / 6.6%, medians of stage F /
+    B; docs/timing-sweep.md), else the wall clock."""
     return "thread" if name == "cpu" and torch.get_num_threads() == 1 else "wall"
 """``cache_flush="auto"`` per backend. On CPU, blocks timed back to back predicted a
 2-rank pipeline's stages better than cold-cache timing, and cost a fraction of the
