@@ -27,6 +27,7 @@ import torch
 
 from autopart.intake import LoadedModel
 from autopart.profile import profile_model
+from autopart.profile.backends import auto_clock
 
 
 def make_config(hidden: int, layers: int, vocab: int, seq_len: int):
@@ -42,19 +43,22 @@ def make_config(hidden: int, layers: int, vocab: int, seq_len: int):
 
 
 def time_whole_model(config, seq_len: int, warmup: int, repeats: int) -> float:
-    """Median ms of forward + loss + backward of the full model on CPU."""
+    """Median ms of forward + loss + backward of the full model on CPU, on the clock the
+    profile uses (``autopart.profile.backends.auto_clock``: the thread's CPU time with one
+    torch thread, else the wall clock), so both sides read the same clock."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).train()
     ids = torch.randint(0, config.vocab_size, (1, seq_len))
     labels = torch.randint(0, config.vocab_size, (1, seq_len))
+    clock = time.thread_time if auto_clock("cpu") == "thread" else time.perf_counter
     samples = []
     for i in range(warmup + repeats):
-        start = time.perf_counter()
+        start = clock()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
-        elapsed = (time.perf_counter() - start) * 1e3
+        elapsed = (clock() - start) * 1e3
         if i >= warmup:
             samples.append(elapsed)
     return statistics.median(samples)

@@ -70,9 +70,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-flush", default="auto", choices=("auto", "none", "llc"),
                    help="before each timed call: auto (cpu: none, cuda: llc), none (back to "
                         "back), llc (write over twice the last-level cache, the GPU's L2)")
-    p.add_argument("--clock", default="wall", choices=("wall", "thread"),
-                   help="wall (perf_counter), or on cpu with one thread: the thread's CPU "
-                        "time, which waiting for a core on a shared machine does not add to")
+    p.add_argument("--clock", default="auto", choices=("auto", "wall", "thread"),
+                   help="wall (perf_counter); thread (cpu, one thread): the thread's CPU "
+                        "time, which waiting for a core on a shared machine does not add "
+                        "to; auto (default): thread on one-thread cpu profiles, else wall")
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help="CPU: neighbour processes busy while measuring (default: N - 1 with "
                         "--pp N, else 0; 0 measures alone)")

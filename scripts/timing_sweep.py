@@ -19,7 +19,8 @@ per-rank memory error, with the 1-minute load average before and after.
 method; each other method profiles the model again and predicts the same plans (same
 cuts, schedule, v and m) from its own profile, so every method is judged against the
 same measurements. A method is ``FLUSH:NEIGHBOURS[:CLOCK]`` (``ProfileOptions.cache_flush``,
-``neighbours`` and ``clock``), e.g. ``llc:1,none:1,none:0,none:1:thread``.
+``neighbours`` and ``clock``, ``auto`` when left out), e.g.
+``none:1,none:0,llc:1,none:1:wall``.
 
 ``--loop`` closes the loop on each shape: the 1F1B plan's run is folded into the
 profile (``calibrate_profile``), a new plan is made from it and run, and its step error
@@ -127,24 +128,24 @@ def _round8(n: int) -> int:
 
 
 def parse_methods(text: str) -> list[tuple[str, int, str]]:
-    """``"llc:1,none:0:thread"`` -> ``[("llc", 1, "wall"), ("none", 0, "thread")]``; exits
-    2 on a bad entry."""
+    """``"llc:1,none:0:thread"`` -> ``[("llc", 1, "auto"), ("none", 0, "thread")]`` (no
+    clock: ``auto``, the profile's default); exits 2 on a bad entry."""
     methods = []
     for item in text.split(","):
         flush, count, *clock = item.strip().split(":")
         if (flush not in ("llc", "none") or not count.isdigit() or len(clock) > 1
-                or (clock and clock[0] not in ("wall", "thread"))):
+                or (clock and clock[0] not in ("auto", "wall", "thread"))):
             print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
-                  f"llc or none, CLOCK wall or thread, e.g. llc:1", file=sys.stderr)
+                  f"llc or none, CLOCK auto, wall or thread, e.g. none:1", file=sys.stderr)
             sys.exit(2)
-        methods.append((flush, int(count), clock[0] if clock else "wall"))
+        methods.append((flush, int(count), clock[0] if clock else "auto"))
     return methods
 
 
 def method_name(method: tuple[str, int, str]) -> str:
-    """``("none", 1, "wall")`` -> ``"flush none, 1 neighbour(s)"`` (the clock when not
-    wall)."""
-    clock = "" if method[2] == "wall" else f", {method[2]} clock"
+    """``("none", 1, "auto")`` -> ``"flush none, 1 neighbour(s)"`` (the clock when not
+    ``auto``)."""
+    clock = "" if method[2] == "auto" else f", {method[2]} clock"
     return f"flush {method[0]}, {method[1]} neighbour(s){clock}"
 
 
@@ -284,8 +285,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 shapes (tiny Qwen2, heavy "
                         "head, MoE) under 1F1B only")
     parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
-    parser.add_argument("--methods", default="llc:1", help="FLUSH:NEIGHBOURS,...; the first "
-                        "makes the plans (default: what `autopart profile --pp 2` does)")
+    parser.add_argument("--methods", default="none:1", help="FLUSH:NEIGHBOURS[:CLOCK],...; "
+                        "the first makes the plans (default: what `autopart profile --pp 2` "
+                        "does: no flush, one neighbour, the auto clock)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)

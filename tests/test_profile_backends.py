@@ -155,3 +155,13 @@ def test_thread_clock_counts_cpu_time_only_and_needs_one_thread(monkeypatch):
         make_backend("cpu", "none", "thread")
     with pytest.raises(ProfileError, match="clock 'thread' is for the cpu backend"):
         make_backend("xla", "auto", "thread")
+
+
+def test_auto_clock_is_the_thread_clock_on_one_thread_cpu_profiles(monkeypatch):
+    from autopart.profile.backends import auto_clock, make_backend
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert auto_clock("cpu") == "thread" and auto_clock("cuda") == "wall"
+    assert make_backend("cpu").clock == "thread"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert auto_clock("cpu") == "wall" and make_backend("cpu").clock == "wall"

@@ -133,6 +133,6 @@ def test_clock_flag_reaches_the_options():
 
     parser = argparse.ArgumentParser()
     cmd_profile.add_parser(parser.add_subparsers())
-    assert cmd_profile.profile_options(parser.parse_args(["profile", "m"])).clock == "wall"
+    assert cmd_profile.profile_options(parser.parse_args(["profile", "m"])).clock == "auto"
     args = parser.parse_args(["profile", "m", "--clock", "thread"])
     assert cmd_profile.profile_options(args).clock == "thread"

@@ -79,7 +79,7 @@ class CPUBackend(Backend):
     def __init__(self, flush: str = "none", clock: str = "wall") -> None:
         super().__init__()
         if clock not in CLOCKS:
-            raise ProfileError(f"unknown clock {clock!r}; expected {' or '.join(CLOCKS)}")
+            raise ProfileError(f"unknown clock {clock!r}; expected auto, {' or '.join(CLOCKS)}")
         if clock == "thread" and torch.get_num_threads() > 1:
             raise ProfileError(f"clock 'thread' times the calling thread only, but torch runs "
                                f"{torch.get_num_threads()} threads; profile with --threads 1 "
@@ -249,7 +249,15 @@ written (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
 AUTO_FLUSH = {"cpu": "none", "cuda": "llc"}
 CLOCKS = ("wall", "thread")
 """``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
-time."""
+time; ``auto`` is ``thread`` on cpu with one torch thread, else ``wall`` (``auto_clock``)."""
+
+
+def auto_clock(name: str) -> str:
+    """The clock ``auto`` means on backend ``name``: the thread's CPU time on one-thread
+    cpu profiles (the timing sweep: under load, wall-clock profiles read 72% / 118% off
+    the stages' CPU time in a pipeline, thread-clock ones 28% / 6.6%, medians of stage F /
+    B; docs/timing-sweep.md), else the wall clock."""
+    return "thread" if name == "cpu" and torch.get_num_threads() == 1 else "wall"
 """``cache_flush="auto"`` per backend. On CPU, blocks timed back to back predicted a
 2-rank pipeline's stages better than cold-cache timing, and cost a fraction of the
 profiling time (docs/timing-sweep.md); on CUDA, an L2 flush as Triton's ``do_bench``."""
@@ -278,7 +286,7 @@ def l2_flush_bytes(props: Any) -> int:
     return 2 * l2 if l2 > 0 else 256 << 20
 
 
-def make_backend(name: str, cache_flush: str = "auto", clock: str = "wall") -> Backend:
+def make_backend(name: str, cache_flush: str = "auto", clock: str = "auto") -> Backend:
     """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
 
     Args:
@@ -286,11 +294,14 @@ def make_backend(name: str, cache_flush: str = "auto", clock: str = "wall") -> B
         cache_flush: The flush before each timed call (``CACHE_FLUSHES`` or ``auto``,
             ``AUTO_FLUSH``): on ``cpu`` the last-level cache, on ``cuda`` the L2; ``xla``
             ignores it.
-        clock: ``wall``, or ``thread`` (cpu only: the thread's CPU time).
+        clock: ``wall``, ``thread`` (cpu only: the thread's CPU time) or ``auto``
+            (``auto_clock``).
 
     Raises:
         ProfileError: An unknown backend or flush.
     """
+    if clock == "auto":
+        clock = auto_clock(name)
     if cache_flush == "auto":
         cache_flush = AUTO_FLUSH.get(name, "none")
     if name == "cpu":

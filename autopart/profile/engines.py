@@ -107,7 +107,7 @@ class AnalyticalEngine:
 
 
 def make_engine(backend: str, dtype: str, num_warmup: int, num_repeats: int,
-                cache_flush: str = "auto", clock: str = "wall"
+                cache_flush: str = "auto", clock: str = "auto"
                 ) -> MeasuringEngine | AnalyticalEngine:
     """The engine for a validated backend string (``cache_flush`` and ``clock``: the
     measuring backend's, ``make_backend``)."""

@@ -44,9 +44,10 @@ class ProfileOptions:
     ``llc`` writes over twice the last-level cache (cpu) or zeroes twice the L2 (cuda);
     ``auto`` is ``none`` on cpu (chosen by ``scripts/timing_sweep.py``, see
     docs/timing-sweep.md) and ``llc`` on cuda, as Triton's ``do_bench``."""
-    clock: str = "wall"
-    """``wall`` (``time.perf_counter``), or on cpu with one thread ``thread``: the thread's
-    CPU time, which waiting for a core on a shared machine does not add to."""
+    clock: str = "auto"
+    """``wall`` (``time.perf_counter``); on cpu with one thread ``thread``: the thread's
+    CPU time, which waiting for a core on a shared machine does not add to; ``auto``:
+    ``thread`` on one-thread cpu profiles, else ``wall``."""
 
     @classmethod
     def of(cls, options: ProfileOptions | None = None, **fields: Any) -> ProfileOptions:

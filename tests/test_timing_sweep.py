@@ -1,0 +1,49 @@
+"""The timing sweep's shapes, method syntax and error distributions (no runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+_SPEC = importlib.util.spec_from_file_location(
+    "timing_sweep", Path(__file__).resolve().parent.parent / "scripts" / "timing_sweep.py")
+timing_sweep = importlib.util.module_from_spec(_SPEC)
+sys.modules["timing_sweep"] = timing_sweep  # its dataclasses look their module up there
+_SPEC.loader.exec_module(timing_sweep)
+
+
+def test_shapes_cover_what_issue_22_asks():
+    """At least 12 shapes: hidden 64..1024, 2..24 layers, vocabulary 512..32k, several
+    micro-batch and sequence sizes, three families with one MoE; each a valid config."""
+    shapes = timing_sweep.SHAPES
+    assert len(shapes) >= 12
+    assert min(s.hidden for s in shapes) == 64 and max(s.hidden for s in shapes) == 1024
+    assert min(s.layers for s in shapes) == 2 and max(s.layers for s in shapes) == 24
+    assert min(s.vocab for s in shapes) == 512 and max(s.vocab for s in shapes) >= 32000
+    assert len({s.mbs for s in shapes}) >= 3 and len({s.seq for s in shapes}) >= 3
+    assert {s.family for s in shapes} == {"llama", "qwen2", "mixtral"}
+    for shape in shapes:
+        config = AutoConfig.for_model(shape.family, **shape.config())
+        assert config.hidden_size % config.num_attention_heads == 0
+        assert config.num_attention_heads % config.num_key_value_heads == 0
+
+
+def test_methods_parse_and_bad_ones_exit_2(capsys):
+    assert timing_sweep.parse_methods("none:1,llc:0:wall") == [("none", 1, "auto"),
+                                                                ("llc", 0, "wall")]
+    assert timing_sweep.method_name(("none", 1, "thread")) == (
+        "flush none, 1 neighbour(s), thread clock")
+    with pytest.raises(SystemExit) as exit_info:
+        timing_sweep.parse_methods("l3:1")
+    assert exit_info.value.code == 2
+    assert "bad method 'l3:1'" in capsys.readouterr().err
+
+
+def test_distribution_is_median_p90_worst_of_magnitudes():
+    values = [0.01 * i * (-1) ** i for i in range(1, 11)]  # 1% .. 10%, signs alternating
+    assert timing_sweep.distribution(values) == "5.5% / 9.0% / 10.0%"
+    assert timing_sweep.distribution([]) == "-"
