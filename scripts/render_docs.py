@@ -2,9 +2,9 @@
 
 In a ```console block, a line starting with ``$ `` is a command; the lines after it, up to
 the next command, are its output. ``render_docs.py`` runs each page's commands in order,
-in one fresh temporary directory per page (with ``examples/`` and ``benchmarks/`` linked into it and it on
-``PYTHONPATH``, so ``examples.tutorial_model:transformer`` and the like resolve), and
-writes their combined stdout and stderr back in place.
+in one fresh temporary directory per page (with ``examples/`` and ``benchmarks/`` linked
+into it and it on ``PYTHONPATH``, so ``examples.tutorial_model:transformer`` and the like
+resolve), and writes their combined stdout and stderr back in place.
 
 Trimming rule: a command whose output in the page holds a line ``...`` keeps only the
 lines the page shows before and after that marker: the first N lines of the real output
