@@ -196,3 +196,16 @@ def test_a_sliced_or_sharded_plan_names_its_cuts_so_they_replan_to_the_same_spli
                           cuts=list(plan.pipeline_cuts))
         assert list(plan.pipeline_cuts) == cuts
         assert [s.modules for s in again.stages] == [s.modules for s in plan.stages]
+
+
+def test_cuts_naming_attention_slices_of_two_beside_mlp_slices_of_four_replan():
+    """With 2 KV heads an attention half is cut into 2 slices where an MLP half is cut
+    into 4, so one plan names both K; its ``pipeline_cuts`` fed back give the same stages
+    (they were refused: "all slice names must agree on K")."""
+    profile = halves_profile()
+    cuts = ["model.layers.1.self_attn.slice0of2", "model.layers.3.mlp.slice1of4"]
+    plan = make_plan(profile, pp_size=3, num_microbatches=6, schedule="1f1b", cuts=cuts)
+    assert list(plan.pipeline_cuts) == cuts
+    again = make_plan(profile, pp_size=3, num_microbatches=6, schedule="1f1b",
+                      cuts=list(plan.pipeline_cuts))
+    assert [s.modules for s in again.stages] == [s.modules for s in plan.stages]

@@ -125,11 +125,13 @@ def _cut_choice(profile: Profile, cuts: Sequence[str]) -> Choice:
         parsed = parse_derived(name)
         if parsed is not None:
             counts[parsed[1]].add(parsed[3])
-    for axis, what in (("units", "slice"), ("vocab", "shard")):
-        if len(counts[axis]) > 1:
-            raise PlanError(f"--cuts names {what}s of {sorted(counts[axis])} parts; all "
-                            f"{what} names must agree on K (<i>of<K>)")
-    slices = min(next(iter(counts["units"]), 0), MAX_SLICES)
+    if len(counts["vocab"]) > 1:
+        raise PlanError(f"--cuts names shards of {sorted(counts['vocab'])} parts; all shard "
+                        f"names must agree on K (<i>of<K>)")
+    # A half is cut into min(K, its units) slices, so one plan names attention slices
+    # of 2 (2 KV heads) beside MLP slices of 4: the largest K is the plan's; a name the
+    # chain at that K lacks is refused with the other unknown names.
+    slices = min(max(counts["units"], default=0), MAX_SLICES)
     shards = next(iter(counts["vocab"]), 0)
     level = "slice" if slices else profile.setup.granularity
     return Choice(level, shards, slices)
