@@ -31,6 +31,14 @@ def test_neighbours_are_for_the_cpu_backend():
         profile_model("tiny-llama", backend="analytical:h100", neighbours=1, **FAST)
 
 
+@pytest.mark.parametrize("setting", [{"clock": "thread"}, {"cache_flush": "llc"}])
+def test_timing_settings_are_refused_where_nothing_is_timed(setting):
+    """An analytical profile estimates times: a clock or cache flush asked for is not
+    silently ignored."""
+    with pytest.raises(ProfileError, match="leave both at auto"):
+        profile_model("tiny-llama", backend="analytical:h100", **setting, **FAST)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_profile_with_a_busy_neighbour_records_it_and_stops_it():

@@ -93,6 +93,9 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
     if neighbours and backend != "cpu":
         raise ProfileError(f"busy neighbours are for the cpu backend (ranks sharing one CPU), "
                            f"not {backend}; profile with neighbours=0")
+    if backend.startswith("analytical") and (opts.clock, opts.cache_flush) != ("auto", "auto"):
+        raise ProfileError(f"--clock and --cache-flush choose how measured backends time "
+                           f"blocks; {backend} estimates them: leave both at auto")
     settings = {**opts.as_fields(), "backend": backend, "neighbours": 0}
     layer_classes = list(opts.layer_classes) if opts.layer_classes else None
     leaf_modules = list(opts.leaf_modules) if opts.leaf_modules else None
