@@ -30,7 +30,8 @@ from transformers.masking_utils import create_causal_mask
 
 from autopart.intake import discover_blocks
 from autopart.intake.hf import causal_lm_loss
-from autopart.intake.sources import build_hf_model, empty_on
+from autopart.intake.sources import build_hf_model
+from autopart.intake.storage import empty_on
 from autopart.runtime import auto_pipeline
 from autopart.schedules import SCHEDULES, stage_to_rank
 from autopart.schema import Plan, RankPlan, StagePlan, TrainingSetup

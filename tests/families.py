@@ -107,9 +107,9 @@ def real_model(config) -> nn.Module:
 
 def init_real(model: nn.Module) -> nn.Module:
     """Give an HF model built on meta real storage on the CPU and its own initialization
-    (``autopart.intake.sources.init_hf_weights``: what ``_init_weights`` leaves unset gets
+    (``autopart.intake.storage.init_hf_weights``: what ``_init_weights`` leaves unset gets
     a default, as on a pipeline rank)."""
-    from autopart.intake.sources import empty_on, init_hf_weights
+    from autopart.intake.storage import empty_on, init_hf_weights
 
     empty_on(model, "cpu", fill=float("nan"))
     with torch.no_grad():

@@ -16,7 +16,8 @@ from runtime_helpers import max_grad_diffs
 from torch import nn
 
 from autopart.intake import discover_blocks
-from autopart.intake.sources import build_hf_model, empty_on, init_hf_weights, params_on_meta
+from autopart.intake.sources import build_hf_model
+from autopart.intake.storage import empty_on, init_hf_weights, params_on_meta
 
 _SPEC = importlib.util.spec_from_file_location(
     "family_sweep", Path(__file__).resolve().parent.parent / "scripts" / "family_sweep.py")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autopart.intake.forward import meta_safe_experts
-from autopart.intake.sources import empty_on, init_empty
+from autopart.intake.storage import empty_on, init_empty
 
 __all__ = []
 

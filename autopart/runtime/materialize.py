@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from autopart.errors import RuntimeSetupError
-from autopart.intake.sources import empty_on, init_empty_parameter, init_hf_weights
+from autopart.intake.storage import empty_on, init_empty_parameter, init_hf_weights
 
 __all__ = []
 
