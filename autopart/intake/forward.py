@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map_only, tree_unflatten
 
 __all__ = ["KeepOffMeta", "StageExit", "Substitute", "intercept", "leaf_paths", "meta_copy",
            "meta_safe_experts", "StandIn", "model_output_tensor", "replace_leaves",
@@ -127,9 +127,26 @@ class Substitute(TorchFunctionMode):
 
     def swap(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with every stand-in replaced by its received tensor."""
-        if not self.table:
+        if not self.table or not self._may_hold(args, kwargs):
             return args, kwargs
         return tree_map_only(torch.Tensor, self._one, (args, kwargs))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the mode while inside: for a block whose arguments ``swap`` already
+        replaced, so its own torch calls (most of a stage's) pay nothing for the mode.
+        Does nothing when another torch-function mode is above this one."""
+        if torch.overrides._get_current_function_mode() is not self:
+            yield
+            return
+        with torch.overrides._pop_mode_temporarily():
+            yield
+
+    def _may_hold(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a stand-in may be among the arguments (in lists, tuples and dicts too;
+        any other pytree container counts as maybe). Every torch call of the glue pays
+        this check, so it walks the arguments without flattening them."""
+        return _holds(args, self.table) or _holds(kwargs, self.table)
 
     def _one(self, t: torch.Tensor) -> torch.Tensor:
         hit = self.table.get(id(t))
@@ -138,6 +155,17 @@ class Substitute(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args, kwargs = self.swap(tuple(args), kwargs or {})
         return func(*args, **kwargs)
+
+
+def _holds(x: Any, table: dict[int, Any]) -> bool:
+    """Whether ``x`` is, or may contain, an object whose id is in ``table``."""
+    if id(x) in table:
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds(y, table) for y in x)
+    if isinstance(x, dict):
+        return any(_holds(y, table) for y in x.values())
+    return type(x) in SUPPORTED_NODES
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:

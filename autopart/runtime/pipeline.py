@@ -211,8 +211,16 @@ class PipelinedModel:
         place_grads(params)
         if self._tp_grad_sum and self.groups.tp_group is not None:
             all_reduce_grads(self._tp_grad_sum, self.groups.tp_group)
+        # one flattened all-reduce per run of weights with the same holders (a module cut
+        # into slices has several): each collective costs a link latency or more
+        runs: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
         for shared in self._tied:
-            dist.all_reduce(local_tensor(shared.param.grad), group=shared.group)
+            if runs and runs[-1][0] is shared.group:
+                runs[-1][1].append(shared.param)
+            else:
+                runs.append((shared.group, [shared.param]))
+        for group, held in runs:
+            all_reduce_grads(held, group)
         if self.groups.dp_group is not None and not self._fsdp:
             divide = 1 if self._token_loss is not None else self.groups.dp_size
             all_reduce_grads(params, self.groups.dp_group, divide_by=divide)

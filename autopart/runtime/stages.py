@@ -184,12 +184,13 @@ class ForwardStage(Tree):
 
         def handler(idx: int, module: nn.Module, original: Callable[..., Any], a: tuple,
                     kw: dict) -> Any:
-            leaves = leaf_paths(a, kw)
-            for n, pos in self._carry_out.get(idx, ()):
-                kept[n] = leaves[pos]
-            if received is not None and idx != self._first_call:  # the first: ``swap_in``
-                for n, pos in self._carry_in.get(idx, ()):
-                    swaps.add(leaves[pos], received[self._num_in + n])
+            if idx in self._carry_out or idx in self._carry_in:
+                leaves = leaf_paths(a, kw)
+                for n, pos in self._carry_out.get(idx, ()):
+                    kept[n] = leaves[pos]
+                if received is not None and idx != self._first_call:  # the first: ``swap_in``
+                    for n, pos in self._carry_in.get(idx, ()):
+                        swaps.add(leaves[pos], received[self._num_in + n])
             if idx < self._first_call:
                 if self._split_at.get(idx) == self._first_call:  # walk P's code up to C
                     meta_a, meta_kw = tree_map_only(torch.Tensor, _on_meta, (a, kw))
@@ -200,7 +201,8 @@ class ForwardStage(Tree):
                 raise StageExit(self._head_step(leaf_paths(a, kw)[0], labels, None))
             part = self._partials.get(idx)
             if part is not None:  # this stage's slices of P (and the received ones)
-                out = self._partial_call(part, original, a, kw, recompute)
+                with swaps.paused():
+                    out = self._partial_call(part, original, a, kw, recompute)
                 if part.starts_inside:
                     out = plus_partial(received[-1], out)
                 if part.ends_inside:
@@ -216,8 +218,10 @@ class ForwardStage(Tree):
                     stream = checkpoint(self._until, original, idx, a, kw, use_reentrant=False)
                     raise StageExit(_sendable(stream, swaps.swap(kept, {})[0],
                                               copy=self._copy_sent))
-                return checkpoint(original, *a, use_reentrant=False, **kw)
-            return original(*a, **kw)
+                with swaps.paused():
+                    return checkpoint(original, *a, use_reentrant=False, **kw)
+            with swaps.paused():  # its arguments are swapped: the mode is for the glue
+                return original(*a, **kw)
 
         def swap_in(_module: nn.Module, a: tuple, kw: dict) -> tuple[tuple, dict]:
             """The received tensors in place of the first call's stream arguments, before
