@@ -90,9 +90,10 @@ def fuse(blocks: Sequence[BlockProfile], *, name: str | None = None, kind: str |
 
     Times, parameters and saved activations add up; the output is the last block's; the
     workspace is the largest, and its weight-gradient share is what the largest
-    gradient-free workspace leaves of it. Identity fields default to the last block's,
-    the parts to those all of ``blocks`` share (a run of all parts of a module is that
-    module).
+    gradient-free workspace leaves of it; the glue and stand-in costs add up, the walk
+    is the first block's (a stage starting there starts there). Identity fields default
+    to the last block's, the parts to those all of ``blocks`` share (a run of all parts
+    of a module is that module).
 
     Args:
         blocks: Consecutive blocks (one is returned as is when no field is given).
@@ -130,7 +131,8 @@ def fuse(blocks: Sequence[BlockProfile], *, name: str | None = None, kind: str |
         compile_ms=total("compile_ms"), noisy=any(b.noisy for b in blocks),
         num_measurements=max(b.num_measurements for b in blocks),
         expert_load=next((b.expert_load for b in blocks if b.expert_load), ()),
-        reused_from=None, **given)
+        glue_after_ms=total("glue_after_ms"), stand_in_ms=total("stand_in_ms"),
+        walk_ms=blocks[0].walk_ms, reused_from=None, **given)
 
 
 def part_of(block: BlockProfile, part: Part, units: int, *, output_bytes: int,
@@ -139,7 +141,8 @@ def part_of(block: BlockProfile, part: Part, units: int, *, output_bytes: int,
 
     Part ``i`` of ``k`` covers units ``[i * U // k, (i + 1) * U // k)``: times, saved
     activations, workspace and parameters by that fraction (integers rounded at both
-    ends, so the parts sum to the block).
+    ends, so the parts sum to the block); the glue after the module's call and its
+    stand-in go to the last part, the walk to its call to every part.
 
     Args:
         block: The measured block (a half, the head).
@@ -158,6 +161,7 @@ def part_of(block: BlockProfile, part: Part, units: int, *, output_bytes: int,
         return round(value * hi / units) - round(value * lo / units)
 
     frac = (hi - lo) / units
+    last = part.index == part.count - 1
     return dataclasses.replace(
         block, name=derived_name(part.module, part.axis, part.index, part.count),
         parts=(*block.parts, part), fwd_ms=block.fwd_ms * frac, bwd_ms=block.bwd_ms * frac,
@@ -168,6 +172,10 @@ def part_of(block: BlockProfile, part: Part, units: int, *, output_bytes: int,
         if adopted else 0,
         transient_bytes=share(block.transient_bytes), output_bytes=output_bytes,
         param_bytes=share(block.param_bytes), num_params=share(block.num_params),
+        # a stage ending at an earlier part stops inside the module's call: the code
+        # after the call, and standing in for the call, belong to the last part
+        glue_after_ms=block.glue_after_ms if last else 0.0,
+        stand_in_ms=block.stand_in_ms if last else 0.0,
         measured=(), reused_from=None)
 
 

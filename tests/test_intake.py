@@ -251,3 +251,34 @@ def test_reading_a_parameter_dtype_between_blocks_is_allowed():
             return self.out(x.to(self.out.weight.dtype))
 
     assert discover_blocks(Head()).names == ["layers.0", "layers.1", "out"]
+
+
+def test_substitute_swaps_stand_ins_in_the_glue_and_not_inside_paused_blocks():
+    """The mode replaces a stand-in by its received tensor in every torch call of the glue
+    (also inside lists and dicts), looks at nothing else, and stays out of a block's own
+    calls while paused (the runtime swaps a block's arguments itself)."""
+    from autopart.intake.forward import Substitute
+
+    class Counting(Substitute):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    stand_in, received, other = torch.zeros(2), torch.ones(2), torch.full((2,), 3.0)
+    mode = Counting()
+    mode.add(stand_in, received)
+    with mode:
+        assert torch.equal(stand_in + other, torch.full((2,), 4.0))
+        assert torch.equal(torch.cat([other, stand_in]), torch.tensor([3.0, 3.0, 1.0, 1.0]))
+        assert torch.equal(torch.add(other, other=stand_in), torch.full((2,), 4.0))
+        assert torch.equal(other * 2, torch.full((2,), 6.0))  # nothing to swap
+        before = Counting.calls
+        with mode.paused():
+            assert torch.equal(stand_in + other, other)  # a block's own call: untouched
+        assert Counting.calls == before
+        assert torch.equal(stand_in + other, torch.full((2,), 4.0))  # back on after
+    assert not mode._may_hold((other, 2), {"alpha": 1})
+    assert mode._may_hold(([other, (stand_in,)],), {})
+    assert mode._may_hold((), {"x": {"y": stand_in}})

@@ -161,6 +161,22 @@ def test_the_glue_between_blocks_is_timed(tiny):
     assert len(tiny.setup.load_average) == 2
 
 
+def test_what_a_stage_runs_outside_its_blocks_is_timed_by_position(tiny):
+    """Glue after each block, the stand-in of each block, and for the output projections
+    (a split half's C) the walk of the half's code on meta up to them: only there."""
+    blocks = tiny.blocks
+    assert 0 < sum(b.glue_after_ms for b in blocks) <= tiny.setup.glue_fwd_ms
+    assert all(b.stand_in_ms > 0 for b in blocks)
+    walks = [b.name for b in blocks if b.walk_ms > 0]
+    assert walks == [f"model.layers.{i}.{p}" for i in range(4)
+                     for p in ("self_attn.o_proj", "mlp.down_proj")]
+    # the layer level: a layer's glue and stand-ins add up, and no layer starts inside a call
+    layers = coarsen(tiny, "layer").blocks
+    assert layers[1].stand_in_ms == pytest.approx(sum(b.stand_in_ms for b in blocks[1:5]))
+    assert layers[1].glue_after_ms == pytest.approx(sum(b.glue_after_ms for b in blocks[1:5]))
+    assert all(b.walk_ms == 0 for b in layers)
+
+
 def test_identical_layers_are_measured_once(tiny):
     """Each layer's pieces are reused from layer 0's, so the fused layers are too."""
     assert [b.reused_from for b in tiny.blocks[5:9]] == [b.name for b in tiny.blocks[1:5]]

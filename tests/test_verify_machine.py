@@ -50,6 +50,25 @@ def test_no_overhead_leaves_costs_alone():
     assert stage_cost(block_arrays(_three_blocks(), setup), 1, 1).fwd_ms == pytest.approx(1.0)
 
 
+def test_a_stage_pays_for_the_glue_to_its_end_and_the_stand_ins_before_it():
+    """Glue 1.0 ms of which 0.1 / 0.2 / 0.3 after each block (0.4 before the first),
+    stand-ins 0.01 / 0.02 / 0.04, a walk of 5 ms into block 2: each stage's F is its
+    blocks + the glue from the model's start to its end + the stand-ins before it (+ the
+    walk where it starts)."""
+    base = _three_blocks()
+    blocks = [dataclasses.replace(b, glue_after_ms=0.1 * (i + 1), stand_in_ms=0.01 * 2 ** i,
+                                  walk_ms=5.0 if i == 2 else 0.0)
+              for i, b in enumerate(base.blocks)]
+    profile = dataclasses.replace(base, blocks=tuple(blocks),
+                                  setup=dataclasses.replace(base.setup, glue_fwd_ms=1.0))
+    arrays = block_arrays(profile, TrainingSetup(pp_size=3, num_microbatches=1))
+    assert stage_cost(arrays, 0, 0).fwd_ms == pytest.approx(1.0 + 0.4 + 0.1)
+    assert stage_cost(arrays, 1, 1).fwd_ms == pytest.approx(1.0 + 0.4 + 0.3 + 0.01)
+    assert stage_cost(arrays, 2, 2).fwd_ms == pytest.approx(1.0 + 1.0 + 0.03 + 5.0)
+    assert stage_cost(arrays, 0, 2).fwd_ms == pytest.approx(3.0 + 1.0)
+    assert stage_cost(arrays, 1, 1).bwd_input_ms == pytest.approx(1.0)  # no glue in B
+
+
 def test_plan_records_overhead_and_adds_step_cost():
     """GPipe, 1 microbatch, 3 stages of F=1.75.. : the step is the chain plus 2 ms."""
     profile = dataclasses.replace(_three_blocks(), runtime_overhead=OVERHEAD)

@@ -107,8 +107,15 @@ class BlockArrays:
     """F time a stage with shards adds per microbatch: the dense gradient of the head
     weight its shards add their rows into is zero-filled once per step, in the first
     forward (``ProfileSetup.head_grad_ms``), spread here over the step's microbatches."""
-    glue_fwd_ms: float = 0.0
-    """The model's code between blocks, which every stage runs per F (the profile's)."""
+    glue_lead_ms: float = 0.0
+    """The model's code before the first block, which every stage runs per F (all of
+    ``ProfileSetup.glue_fwd_ms`` for profiles without per-block glue)."""
+    prefix_glue_after: np.ndarray | None = None
+    """Prefix of the blocks' ``glue_after_ms`` (None: all zero)."""
+    prefix_stand_in: np.ndarray | None = None
+    """Prefix of the blocks' ``stand_in_ms`` (None: all zero)."""
+    walk_ms: np.ndarray | None = None
+    """Per block, ``BlockProfile.walk_ms`` (None: all zero)."""
     prefix_held_for_weight: np.ndarray | None = None
     """Prefix of the blocks' ``held_for_weight_bytes`` (None: all zero)."""
     adopted_grad_bytes: np.ndarray | None = None
@@ -158,7 +165,7 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         prefix_activation=prefix(act), checkpointed=ckpt, held_output_bytes=held,
         prefix_kept=prefix(kept), prefix_recompute_fwd=prefix(np.where(ckpt, fwd, 0.0)),
         prefix_num_params=prefix(num_params), overhead=setup.runtime_overhead,
-        glue_fwd_ms=profile.setup.glue_fwd_ms,
+        **_glue_arrays(profile),
         **_held_arrays(whole, static, num_params, per_param),
         vocab_parts=_vocab_parts(profile),
         head_grad_fwd_ms=profile.setup.head_grad_ms / max(setup.num_microbatches, 1),
@@ -166,6 +173,17 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
                                                dtype=np.int64)),
         adopted_grad_bytes=np.array([b.adopted_grad_bytes for b in blocks], dtype=np.int64),
     )
+
+
+def _glue_arrays(profile: Profile) -> dict:
+    """``BlockArrays``' fields of what a stage's F runs besides its blocks."""
+    after = np.array([b.glue_after_ms for b in profile.blocks], dtype=np.float64)
+    stand_in = np.array([b.stand_in_ms for b in profile.blocks], dtype=np.float64)
+    walk = np.array([b.walk_ms for b in profile.blocks], dtype=np.float64)
+    return {"glue_lead_ms": max(profile.setup.glue_fwd_ms - float(after.sum()), 0.0),
+            "prefix_glue_after": np.concatenate([[0.0], np.cumsum(after)]),
+            "prefix_stand_in": np.concatenate([[0.0], np.cumsum(stand_in)]),
+            "walk_ms": walk}
 
 
 def _held_arrays(held: HeldWhole | None, static: np.ndarray, num_params: np.ndarray,

@@ -91,14 +91,34 @@ def comm_ms(num_bytes: int, setup: TrainingSetup) -> float:
     return setup.link_latency_ms + 1e3 * num_bytes / setup.link_bandwidth_bytes_per_s
 
 
+def _outside_blocks_ms(arrays: BlockArrays, first: int, last: int) -> float:
+    """Per F, what the stage runs besides its blocks (``autopart.runtime.stages``): the
+    model's own code from its start to the stage's end (the glue before the first block
+    and after each block up to the next stage's first call), the stand-ins of the blocks
+    before it and, starting inside a split half's call, the parent's code on meta up to
+    it. A stage starting inside the head (a vocabulary part after the first) runs
+    none of it."""
+    if arrays.vocab_parts is not None and first > 0 and arrays.vocab_parts[first - 1] \
+            and arrays.vocab_parts[first]:
+        return 0.0
+    glue = arrays.glue_lead_ms
+    if arrays.prefix_glue_after is not None:
+        glue += float(arrays.prefix_glue_after[last + 1])
+    if arrays.prefix_stand_in is not None:
+        glue += float(arrays.prefix_stand_in[first])
+    if arrays.walk_ms is not None:
+        glue += float(arrays.walk_ms[first])
+    return glue
+
+
 def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = False) -> StageCost:
     """Cost of the stage holding blocks ``first .. last`` (inclusive).
 
     With a runtime overhead in ``arrays`` (the machine check), F and B each carry the
     runtime's per-action cost and one p2p op per cut next to the stage; F also carries
-    the model's code between blocks (``ProfileSetup.glue_fwd_ms``), which every stage runs,
-    and, on a stage with vocabulary shards of the head, the once-per-step zero-fill of
-    the head's gradient spread over the microbatches (``BlockArrays.head_grad_fwd_ms``).
+    what the stage runs outside its blocks (``_outside_blocks_ms``) and, on a stage with
+    vocabulary shards of the head, the once-per-step zero-fill of the head's gradient
+    spread over the microbatches (``BlockArrays.head_grad_fwd_ms``).
     ``activation_bytes`` follows the module docstring: saved activations (with
     ``recompute``, only the inputs of checkpointed blocks) + the held output - the
     first block's input, which torch's receive buffer holds. With ``recompute`` the
@@ -132,7 +152,8 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     static, params, held = _stage_static(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     return StageCost(
-        fwd_ms=fwd + fwd_extra + arrays.glue_fwd_ms + _head_grad_fwd_ms(arrays, first, last),
+        fwd_ms=fwd + fwd_extra + _outside_blocks_ms(arrays, first, last)
+        + _head_grad_fwd_ms(arrays, first, last),
         bwd_input_ms=bwd_in + bwd_extra,
         bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
         static_bytes=static,

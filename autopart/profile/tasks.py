@@ -26,7 +26,14 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autopart.errors import ProfileError
 from autopart.intake import BlockChain
 from autopart.intake.blocks import example_inputs
-from autopart.intake.forward import KeepOffMeta, intercept, leaf_paths, replace_leaves
+from autopart.intake.forward import (
+    KeepOffMeta,
+    StageExit,
+    StandIn,
+    intercept,
+    leaf_paths,
+    replace_leaves,
+)
 from autopart.intake.hf import causal_lm_loss
 
 __all__ = []
@@ -77,11 +84,14 @@ class ForwardRunner:
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 2) or 2)
         self.labels = torch.randint(0, vocab, (micro_batch_size, seq_len))
 
-    def run(self, visit: Visit) -> None:
+    def run(self, visit: Visit, clock: Callable[[], float] | None = None
+            ) -> tuple[float, float]:
         """Call ``visit(call_idx, module, args, kwargs)`` for each block call, in order.
 
         ``visit`` returns the call's output as the model's code should see it (on
-        the glue device). The model itself is only read.
+        the glue device). The model itself is only read. Returns ``clock()`` just
+        before the calls are routed and just after they are restored (0, 0 without a
+        clock): the span a pipeline stage's forward takes.
         """
         args, kwargs = example_inputs(self.model, self.chain.call_fqns, self.micro_batch_size,
                                       self.seq_len, self.glue_device, self.dtype)
@@ -93,25 +103,104 @@ class ForwardRunner:
             return out
 
         moved = _buffers_to(self.model, calls, self.glue_device)
+        clock = clock or (lambda: 0.0)
         try:
+            start = clock()
             with torch.no_grad(), intercept(self.model, calls, handler), KeepOffMeta():
                 self.model(*args, **kwargs)
+            end = clock()
         finally:
             for module, name, buf in moved:
                 module._buffers[name] = buf
+        return start, end
 
-    def time_glue(self, outputs: dict[int, Any], num_repeats: int = 5) -> float:
-        """Median ms of the model's own code between blocks: the forward with every block
-        call answered at once by its recorded output (``outputs[call_idx]``). Every
-        pipeline stage runs this code for each microbatch it forwards."""
+    def time_glue(self, outputs: dict[int, Any], num_repeats: int = 5) -> GlueTimes:
+        """What a pipeline stage's forward runs besides its own blocks, in median ms.
+
+        The model's forward is run with every block call answered at once by its
+        recorded output (``outputs[call_idx]``), timing the code before the first call,
+        after each call up to the next (after the last: to the end) and the whole;
+        then the same forward with every call answered by the runtime's ``StandIn``
+        (what a later stage does for the calls before it), timing each answer; then,
+        for each split half ``P`` (``BlockChain.splits``), its code on meta up to its
+        child ``C``, which a stage starting at ``C`` walks. Stages run the glue from
+        the model's start to their end, so they pay for it by position
+        (``autopart.cost.stage``).
+        """
+        n = len(self.chain.call_fqns)
+        recorded = [self._timed_forward(lambda idx, *_: outputs[idx]) for _ in range(num_repeats)]
+        stand_ins: dict[int, StandIn] = {}
+        shapes: dict = {}
+
+        def stand_in(idx: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if idx not in stand_ins:
+                stand_ins[idx] = StandIn(module, shapes)
+            return stand_ins[idx](args, kwargs, self.glue_device)
+
+        self._timed_forward(stand_in)  # the first run learns every stand-in's shapes on meta
+        stood = [self._timed_forward(stand_in) for _ in range(num_repeats)]
+        total = statistics.median(r.total_ms for r in recorded)
+        return GlueTimes(
+            total_ms=total,
+            after_call_ms=tuple(statistics.median(r.after_ms[i] for r in recorded)
+                                for i in range(n)),
+            stand_in_ms=tuple(statistics.median(r.call_ms[i] for r in stood) for i in range(n)),
+            walk_ms={child: self._time_walk(parent, child, outputs, num_repeats)
+                     for parent, child in self.chain.splits})
+
+    def _timed_forward(self, answer: Visit) -> _TimedForward:
+        """One forward with every call answered by ``answer``; its times (see ``time_glue``)."""
+        n = len(self.chain.call_fqns)
+        spans: list[tuple[int, float, float]] = []  # (call, enter, leave) in call order
+        clock = time.perf_counter
+        sync = ((lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda"
+                else (lambda: None))
+
+        def visit(idx: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            sync()
+            enter = clock()
+            out = answer(idx, module, args, kwargs)
+            sync()
+            spans.append((idx, enter, clock()))
+            return out
+
+        start, end = self.run(visit, clock=lambda: (sync(), clock())[1])
+        after, call = [0.0] * n, [0.0] * n  # calls never made (a split's C) keep 0
+        for k, (idx, enter, leave) in enumerate(spans):
+            after[idx] = 1e3 * ((spans[k + 1][1] if k + 1 < len(spans) else end) - leave)
+            call[idx] = 1e3 * (leave - enter)
+        return _TimedForward(total_ms=1e3 * (end - start) - sum(call), after_ms=after,
+                             call_ms=call)
+
+    def _time_walk(self, parent: int, child: int, outputs: dict[int, Any],
+                   num_repeats: int) -> float:
+        """Median ms of split half ``parent``'s code on meta up to its child call ``child``
+        (what ``autopart.runtime.stages`` runs on a stage that starts at the child)."""
+        captured: dict[str, Any] = {}
+
+        def grab(idx: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if idx == parent:
+                captured["call"] = (module, args, kwargs)
+            return outputs[idx]
+
+        self.run(grab)
+        module, args, kwargs = captured["call"]
+        meta_args, meta_kwargs = tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
+        name = self.chain.call_fqns[child][len(self.chain.call_fqns[parent]) + 1:]
+
+        def stop(*_: Any) -> Any:
+            raise StageExit(None)
+
         times = []
-        for _ in range(num_repeats):
+        for _ in range(num_repeats + 1):
             start = time.perf_counter()
-            self.run(lambda idx, module, args, kwargs: outputs[idx])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            try:
+                with torch.no_grad(), intercept(module, [name], stop), KeepOffMeta():
+                    module(*meta_args, **meta_kwargs)
+            except StageExit:
+                pass
             times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
+        return statistics.median(times[1:])
 
     def to_glue(self, output: Any) -> Any:
         """A block's output as the model's code should see it (zeros when it ran on meta)."""
@@ -120,6 +209,32 @@ class ForwardRunner:
                 return torch.zeros(t.shape, dtype=t.dtype, device=self.glue_device)
             return t.detach().to(self.glue_device)
         return tree_map_only(torch.Tensor, move, output)
+
+
+@dataclass(frozen=True, slots=True)
+class GlueTimes:
+    """What a pipeline stage runs besides its blocks, per microbatch (``time_glue``)."""
+
+    total_ms: float
+    """The model's code between (before, after) all its block calls."""
+    after_call_ms: tuple[float, ...]
+    """Per call, the model's code after it up to the next call (after the last: to the
+    end of the forward). ``total_ms`` less their sum runs before the first call."""
+    stand_in_ms: tuple[float, ...]
+    """Per call, answering it with ``StandIn``, as a stage after it does."""
+    walk_ms: dict[int, float]
+    """Call of a split half's child ``C`` -> its parent's code on meta up to ``C``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _TimedForward:
+    total_ms: float
+    after_ms: list[float]
+    call_ms: list[float]
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else torch.empty_like(t, device="meta")
 
 
 def make_task(chain: BlockChain, call_idx: int, module: nn.Module, args: tuple, kwargs: dict,

@@ -18,7 +18,7 @@ upgraded on load, ``autopart.schema.upgrade``)."""
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
                               "num_params", "compile_ms", "held_for_weight_bytes",
-                              "adopted_grad_bytes")
+                              "adopted_grad_bytes", "glue_after_ms", "stand_in_ms", "walk_ms")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -89,6 +89,20 @@ class BlockProfile:
     CPU, meta and CUDA (there capped at the allocator's workspace); 0 in profiles written
     before this field, or by CUDA before it was measured there, which counts the whole
     workspace on every action."""
+    glue_after_ms: float = 0.0
+    """The model's own code after the block's calls up to the next block's (after the
+    last block: to the end of the forward): residual adds, norms between blocks, the
+    output's assembly. A stage runs it when it holds the block (``ProfileSetup.
+    glue_fwd_ms`` less every block's ``glue_after_ms`` runs before the first block, on
+    every stage). 0 in profiles written before this field, which charge the whole glue
+    to every stage."""
+    stand_in_ms: float = 0.0
+    """Per F, what a stage after the block pays to stand in for its calls (zeros of its
+    output's shape, ``autopart.intake.forward.StandIn``)."""
+    walk_ms: float = 0.0
+    """Per F, what a stage starting at this block pays when the block starts inside its
+    module's parent's call (a split half's ``C``): the parent's code run on meta up to
+    it (``autopart.runtime.stages``)."""
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_KINDS:
