@@ -106,11 +106,16 @@ def test_fit_splits_rest_into_p2p_and_step():
     assert out.p2p_ms == pytest.approx(0.25)
     assert out.step_ms == pytest.approx(2.0)
     assert out.link_bandwidth_bytes_per_s == pytest.approx(4 * 2**20 / 2e-3, rel=1e-3)
+    assert out.link_latency_ms == pytest.approx(0.05)
+    busy = {**rank, "link": {**rank["link"], "busy_small_ms": 0.6}}
+    loaded = machine._fit([busy, busy], "gloo", 1, 0.5)
+    assert loaded.link_latency_ms == pytest.approx(0.6)  # beside a busy core, as in a pipeline
+    assert loaded.link_bandwidth_bytes_per_s == out.link_bandwidth_bytes_per_s
 
 
 def test_cache_round_trip(tmp_path):
     path = machine.save_cached_overhead(OVERHEAD, root=tmp_path)
-    assert path.name.endswith("-gloo-1t.json")
+    assert path.name.endswith(f"-gloo-1t-v{machine.CHECK_VERSION}.json")
     assert machine.load_cached_overhead("gloo", 1, root=tmp_path) == OVERHEAD
     assert machine.load_cached_overhead("gloo", 2, root=tmp_path) is None
     profile = _three_blocks()

@@ -8,7 +8,10 @@ timed alone), the p2p waits, and the step. What the actions cost is the runtime'
 work per F and B; what is left of a step outside actions and waits grows with the
 microbatches by the p2p ops posted (two per microbatch on each of the two ranks) and
 is otherwise the fixed work per step. A ping-pong then measures the link's
-latency (4-byte messages) and bandwidth (4 MiB). The result, a ``RuntimeOverhead``,
+latency (4-byte messages) and bandwidth (4 MiB); on CPU the latency is the mean while
+the other rank keeps a core busy, as in a pipeline (gloo's threads then wait for a core:
+0.58 ms against 0.09 ms idle on this project's 2-core VM, a tail of scheduler slices).
+The result, a ``RuntimeOverhead``,
 is cached under ``~/.cache/autopart`` per host, torch version, backend and thread
 count, and ``autopart profile`` records it in the profiles it takes there.
 
@@ -24,6 +27,7 @@ import platform
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -38,6 +42,10 @@ from autopart.jsonio import dump_json, write_text
 from autopart.schema import Profile, RuntimeOverhead
 
 __all__ = ["check_machine", "load_cached_overhead", "machine_check_for", "save_cached_overhead"]
+
+CHECK_VERSION = 2
+"""What the check measures; a cached check of another version is not used (2: the link's
+latency beside a busy core on CPU)."""
 
 _WIDTH = 16
 _COUNTS = (2, 8)
@@ -92,8 +100,11 @@ def _fit(raw: list[dict[str, Any]], backend: str, num_threads: int,
     p2p = max(rest[high] - rest[low], 0.0) / ((high - low) * _P2P_PER_MICROBATCH)
     step = max(rest[low] - low * _P2P_PER_MICROBATCH * p2p, 0.0)
     link = raw[0]["link"]
-    latency = link["small_ms"]
-    bandwidth = link["large_bytes"] / max(1e-6, (link["large_ms"] - latency) / 1e3)
+    bandwidth = link["large_bytes"] / max(1e-6, (link["large_ms"] - link["small_ms"]) / 1e3)
+    # a transfer in a pipeline mostly lands while the other rank computes: on CPU its
+    # threads then wait for a core (a heavy tail, up to a scheduler slice), so the link's
+    # latency is the mean of messages sent beside a busy core, not the idle median
+    latency = link.get("busy_small_ms", link["small_ms"])
     return RuntimeOverhead(
         fwd_action_ms=round(max(fwd, 0.0), 4), bwd_action_ms=round(max(bwd, 0.0), 4),
         p2p_ms=round(p2p, 4), step_ms=round(step, 4), link_latency_ms=round(latency, 4),
@@ -204,25 +215,49 @@ def _timed(owner: Any, name: str, into: list[float]) -> Callable[[], None]:
 
 
 def _ping_pong(rank: int, device: torch.device) -> dict[str, float]:
-    """One-way ms of a 4-byte and a 4 MiB message between the two ranks."""
+    """One-way ms of a 4-byte and a 4 MiB message between the two ranks (medians), and on
+    CPU the mean of 4-byte messages while rank 1 also computes (``busy_small_ms``)."""
     out = {}
     for name, numel, reps in (("small", 1, 200), ("large", 2**20, 20)):
-        buf = torch.zeros(numel, device=device)
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            _sync(device)
-            times.append(1e3 * (time.perf_counter() - start) / 2)
+        times = _round_trips(rank, torch.zeros(numel, device=device), reps)
         out[f"{name}_ms"] = statistics.median(times)
         out[f"{name}_bytes"] = numel * 4
+    if device.type == "cpu":
+        stop = threading.Event()
+        worker = threading.Thread(target=_compute_until, args=(stop,), daemon=True)
+        if rank == 1:
+            worker.start()
+        try:
+            out["busy_small_ms"] = statistics.mean(_round_trips(rank, torch.zeros(1), 400))
+        finally:
+            stop.set()
+            if rank == 1:
+                worker.join()
     return out
+
+
+def _round_trips(rank: int, buf: torch.Tensor, reps: int) -> list[float]:
+    """One-way ms of ``reps`` round trips of ``buf`` between the two ranks."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        _sync(buf.device)
+        times.append(1e3 * (time.perf_counter() - start) / 2)
+    return times
+
+
+def _compute_until(stop: threading.Event) -> None:
+    """Keep a core busy with matrix products (which release the GIL) until ``stop``."""
+    a = torch.randn(128, 128)
+    while not stop.is_set():
+        a = torch.tanh(a @ a)
 
 
 def cache_path(backend: str, num_threads: int, root: Path | None = None) -> Path:
@@ -234,13 +269,14 @@ def cache_path(backend: str, num_threads: int, root: Path | None = None) -> Path
         root: The cache folder (default ``$XDG_CACHE_HOME/autopart`` or ``~/.cache/autopart``).
 
     Returns:
-        ``<root>/machine-<host>-torch<version>-<backend>-<threads>t.json``.
+        ``<root>/machine-<host>-torch<version>-<backend>-<threads>t-v<CHECK_VERSION>.json``.
     """
     if root is None:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         root = Path(base) / "autopart"
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in platform.node() or "host")
-    return root / f"machine-{host}-torch{torch.__version__}-{backend}-{num_threads}t.json"
+    return root / (f"machine-{host}-torch{torch.__version__}-{backend}-{num_threads}t"
+                   f"-v{CHECK_VERSION}.json")
 
 
 def save_cached_overhead(overhead: RuntimeOverhead, root: Path | None = None) -> Path:
