@@ -33,6 +33,7 @@ from autopart.intake.forward import (
     intercept,
     leaf_paths,
     replace_leaves,
+    structure_key,
 )
 from autopart.intake.hf import causal_lm_loss
 
@@ -145,8 +146,7 @@ class ForwardRunner:
             after_call_ms=tuple(statistics.median(r.after_ms[i] for r in recorded)
                                 for i in range(n)),
             stand_in_ms=tuple(statistics.median(r.call_ms[i] for r in stood) for i in range(n)),
-            walk_ms={child: self._time_walk(parent, child, outputs, num_repeats)
-                     for parent, child in self.chain.splits})
+            walk_ms=self._time_walks(outputs, num_repeats))
 
     def _timed_forward(self, answer: Visit) -> _TimedForward:
         """One forward with every call answered by ``answer``; its times (see ``time_glue``)."""
@@ -172,35 +172,31 @@ class ForwardRunner:
         return _TimedForward(total_ms=1e3 * (end - start) - sum(call), after_ms=after,
                              call_ms=call)
 
-    def _time_walk(self, parent: int, child: int, outputs: dict[int, Any],
-                   num_repeats: int) -> float:
-        """Median ms of split half ``parent``'s code on meta up to its child call ``child``
-        (what ``autopart.runtime.stages`` runs on a stage that starts at the child)."""
-        captured: dict[str, Any] = {}
+    def _time_walks(self, outputs: dict[int, Any], num_repeats: int) -> dict[int, float]:
+        """Per split half's child call ``C``: median ms of the half's code on meta up to
+        ``C`` (what ``autopart.runtime.stages`` runs on a stage that starts at ``C``).
+        Halves of one structure called with the same shapes are timed once."""
+        splits = dict(self.chain.splits)
+        calls: dict[int, tuple[nn.Module, tuple, dict]] = {}
 
         def grab(idx: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            if idx == parent:
-                captured["call"] = (module, args, kwargs)
+            if idx in splits:
+                calls[idx] = (module, args, kwargs)
             return outputs[idx]
 
-        self.run(grab)
-        module, args, kwargs = captured["call"]
-        meta_args, meta_kwargs = tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
-        name = self.chain.call_fqns[child][len(self.chain.call_fqns[parent]) + 1:]
-
-        def stop(*_: Any) -> Any:
-            raise StageExit(None)
-
-        times = []
-        for _ in range(num_repeats + 1):
-            start = time.perf_counter()
-            try:
-                with torch.no_grad(), intercept(module, [name], stop), KeepOffMeta():
-                    module(*meta_args, **meta_kwargs)
-            except StageExit:
-                pass
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times[1:])
+        if splits:
+            self.run(grab)
+        timed: dict[tuple, float] = {}
+        walks = {}
+        for parent, (module, args, kwargs) in calls.items():
+            name = self.chain.call_fqns[splits[parent]][len(self.chain.call_fqns[parent]) + 1:]
+            key = (structure_key(module), name, *(
+                (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+                for x in leaf_paths(args, kwargs)))
+            if key not in timed:
+                timed[key] = _walk_ms(module, name, args, kwargs, num_repeats)
+            walks[splits[parent]] = timed[key]
+        return walks
 
     def to_glue(self, output: Any) -> Any:
         """A block's output as the model's code should see it (zeros when it ran on meta)."""
@@ -235,6 +231,26 @@ class _TimedForward:
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_meta else torch.empty_like(t, device="meta")
+
+
+def _walk_ms(module: nn.Module, child: str, args: tuple, kwargs: dict,
+             num_repeats: int) -> float:
+    """Median ms of ``module``'s code on meta until it calls its submodule ``child``."""
+    meta_args, meta_kwargs = tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
+
+    def stop(*_: Any) -> Any:
+        raise StageExit(None)
+
+    times = []
+    for _ in range(num_repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        try:
+            with torch.no_grad(), intercept(module, [child], stop), KeepOffMeta():
+                module(*meta_args, **meta_kwargs)
+        except StageExit:
+            pass
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times[1:])
 
 
 def make_task(chain: BlockChain, call_idx: int, module: nn.Module, args: tuple, kwargs: dict,
