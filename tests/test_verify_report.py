@@ -327,3 +327,19 @@ def test_stage_cpu_time_is_the_median_of_each_microbatchs_spans(plan):
     bare = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0),
                         [_rank_result(plan, 0, 2.0), _rank_result(plan, 1, 3.0)])
     assert all(s.measured_fwd_cpu_ms is None for s in bare.stages)
+
+
+def test_calibration_leaves_what_stages_pay_outside_their_blocks(profile):
+    """With glue (1 ms per F, every stage) in the prediction, the blocks take all of the
+    measured difference: planning the same cuts again predicts the measured F and B."""
+    glued = dataclasses.replace(profile, setup=dataclasses.replace(profile.setup,
+                                                                  glue_fwd_ms=1.0))
+    planned = make_plan(glued, pp_size=2, num_microbatches=4, schedule="1f1b")
+    run = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0),
+                       [_rank_result(planned, 1, 3.0), _rank_result(planned, 0, 2.0)])
+    calibrated = calibrate_profile(glued, run, planned)
+    again = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule="1f1b",
+                      cuts=tuple(planned.pipeline_cuts))
+    for stage, measured in zip(again.stages, run.stages):
+        assert stage.fwd_ms == pytest.approx(measured.measured_fwd_ms)
+        assert stage.bwd_ms == pytest.approx(measured.measured_bwd_ms)

@@ -1,9 +1,12 @@
 """Fold measured stage times back into a profile, so the next plan uses what really ran.
 
-Every block of a stage is scaled by that stage's measured / predicted ratio:
-``fwd_ms`` by the forward ratio, ``bwd_input_ms`` and ``bwd_weight_ms`` by the B
-and W ratios under split-backward schedules, else both by the full-backward
-ratio (``bwd_ms`` follows). Memory figures are left as they are. The factors and
+Every block of a stage is scaled by one factor per kind of time: ``fwd_ms`` by the
+forward's, ``bwd_input_ms`` and ``bwd_weight_ms`` by the B and W factors under
+split-backward schedules, else both by the full backward's (``bwd_ms`` follows). A
+stage's prediction is its blocks plus what it pays outside them (the runtime's per-action
+cost, the model's glue and stand-ins: ``autopart.cost.stage``), which calibration leaves
+as they are; so the factor is (measured - outside) / blocks, and planning the same cuts
+again predicts what was measured. Memory figures are left as they are. The factors and
 the run they came from are recorded in ``Profile.calibration``.
 """
 
@@ -48,12 +51,16 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     factors = []
     shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
     for stage in report.stages:
-        ratio = _ratios(stage)
+        covered = []
         for name in stage.modules:
             parts = tuple(report.parts.get(name, ()))
             weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
-            for i in covered_blocks(profile, name, parts):
-                shares.setdefault(i, []).append((weight, ratio))
+            covered += [(i, weight) for i in covered_blocks(profile, name, parts)]
+        ratio = _ratios(stage, {key: sum(w * getattr(blocks[i], f"{key}_ms")
+                                         for i, w in covered)
+                                for key in ("fwd", "bwd_input", "bwd_weight")})
+        for i, weight in covered:
+            shares.setdefault(i, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
                         "last_block": stage.modules[-1], **ratio})
     for i, parts in shares.items():
@@ -116,18 +123,27 @@ def _applied_digests(record: dict[str, Any]) -> set[str]:
     return digests
 
 
-def _ratios(stage: StageReport) -> dict[str, float]:
-    """measured / predicted for F, B and W of one stage (1.0 where nothing was predicted)."""
-    def ratio(measured: float | None, predicted: float) -> float:
+def _ratios(stage: StageReport, blocks: dict[str, float]) -> dict[str, float]:
+    """The factors of one stage's F, B and W (module docstring); ``blocks``: the stage's
+    blocks' own ms of each, from the profile. 1.0 where nothing was predicted; measured /
+    predicted where the blocks are not what the prediction ran over (nothing left for
+    them once the outside is taken off)."""
+    def ratio(measured: float | None, predicted: float, own: float) -> float:
         if measured is None or predicted <= 0 or measured <= 0:
             return 1.0
+        outside = predicted - own
+        if own > 0 and outside >= 0 and measured > outside:
+            return (measured - outside) / own
         return measured / predicted
 
-    full = ratio(stage.measured_bwd_ms, stage.predicted_bwd_ms)
-    return {"fwd": ratio(stage.measured_fwd_ms, stage.predicted_fwd_ms),
-            "bwd_input": ratio(stage.measured_bwd_input_ms, stage.predicted_bwd_input_ms)
+    full = ratio(stage.measured_bwd_ms, stage.predicted_bwd_ms,
+                 blocks["bwd_input"] + blocks["bwd_weight"])
+    return {"fwd": ratio(stage.measured_fwd_ms, stage.predicted_fwd_ms, blocks["fwd"]),
+            "bwd_input": ratio(stage.measured_bwd_input_ms, stage.predicted_bwd_input_ms,
+                               blocks["bwd_input"])
             if stage.measured_bwd_input_ms is not None else full,
-            "bwd_weight": ratio(stage.measured_bwd_weight_ms, stage.predicted_bwd_weight_ms)
+            "bwd_weight": ratio(stage.measured_bwd_weight_ms, stage.predicted_bwd_weight_ms,
+                                blocks["bwd_weight"])
             if stage.measured_bwd_weight_ms is not None else full}
 
 
