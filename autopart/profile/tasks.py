@@ -32,6 +32,7 @@ from autopart.intake.forward import (
     StandIn,
     intercept,
     leaf_paths,
+    meta_copy,
     replace_leaves,
     structure_key,
 )
@@ -235,7 +236,9 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
 
 def _walk_ms(module: nn.Module, child: str, args: tuple, kwargs: dict,
              num_repeats: int) -> float:
-    """Median ms of ``module``'s code on meta until it calls its submodule ``child``."""
+    """Median ms of ``module``'s code on meta until it calls its submodule ``child`` (on a
+    meta copy: buffers the model keeps real, such as rotary tables, go to meta too)."""
+    module = meta_copy(module)
     meta_args, meta_kwargs = tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
 
     def stop(*_: Any) -> Any:
