@@ -22,7 +22,6 @@ import os
 import socket
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from autopart.profile import profile_model
 from autopart.schema import Profile
 from autopart.solve import make_plan
 from autopart.verify import RunReport, RunSettings, calibrate_profile, verify_plan
+from autopart.verify.machine import round_trips
 
 MODEL = "heavy-head-llama"
 
@@ -46,19 +46,8 @@ def _ping_pong(rank: int, port: int, out: str, boundary_bytes: int) -> None:
     results = {}
     for name, numel, reps in (("small", 1, 300), ("boundary", boundary_bytes // 4, 100),
                               ("large", 2**20, 30)):
-        buf = torch.zeros(numel)
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            times.append((time.perf_counter() - start) / 2)
-        results[name] = (numel * 4, statistics.median(times) * 1e3)
+        times = round_trips(rank, torch.zeros(numel), reps)
+        results[name] = (numel * 4, statistics.median(times))
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -43,7 +43,7 @@ from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.options import ProfileOptions
 from autopart.profile.slice_checks import SliceChecks
-from autopart.profile.tasks import ForwardRunner, GlueTimes, make_task
+from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, Profile, ProfileSetup
 
@@ -125,7 +125,7 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                           and engine.device.type in ("cpu", "cuda"))
             glue = runner.time_glue(outputs) if timed_glue else None
             if glue is not None:
-                blocks = _with_glue(chain, blocks, glue)
+                blocks = glue.onto(chain, blocks)
             info = model_info(loaded, chain, blocks, slices)
             head_grad = (_head_grad_ms(engine, model, chain, dtype) if info.head_split_rows
                          else 0.0)
@@ -148,24 +148,6 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                                         "_attn_implementation", "") or ""),
         granularity=chain.granularity)
     return Profile(model=info, setup=setup, blocks=tuple(blocks))
-
-
-def _with_glue(chain: BlockChain, blocks: list[BlockProfile], glue: GlueTimes
-               ) -> list[BlockProfile]:
-    """``blocks`` with what stages around them pay per F besides the blocks themselves
-    (``BlockProfile.glue_after_ms``, ``stand_in_ms``, ``walk_ms``). A split half's call
-    ends with its child ``C``: the code after it and its stand-in go to ``C``'s block."""
-    block_of = {c: i for i, b in enumerate(chain.blocks) for c in b.calls}
-    ends = {c: block_of[dict(chain.splits).get(c, c)] for c in block_of}
-    after, stand_in = [0.0] * len(blocks), [0.0] * len(blocks)
-    for c, b in ends.items():
-        after[b] += glue.after_call_ms[c]
-        stand_in[b] += glue.stand_in_ms[c]
-    walk = {block_of[c]: ms for c, ms in glue.walk_ms.items()}
-    return [dataclasses.replace(block, glue_after_ms=round(after[i], 4),
-                                stand_in_ms=round(stand_in[i], 4),
-                                walk_ms=round(walk.get(i, 0.0), 4))
-            for i, block in enumerate(blocks)]
 
 
 def _device_memory_bytes(engine: _Engine) -> int:

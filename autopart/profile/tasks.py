@@ -13,6 +13,7 @@ next-token loss on HF causal LMs, ``output.float().pow(2).mean()`` otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from autopart.intake.forward import (
     structure_key,
 )
 from autopart.intake.hf import causal_lm_loss
+from autopart.schema import BlockProfile
 
 __all__ = []
 
@@ -221,6 +223,23 @@ class GlueTimes:
     """Per call, answering it with ``StandIn``, as a stage after it does."""
     walk_ms: dict[int, float]
     """Call of a split half's child ``C`` -> its parent's code on meta up to ``C``."""
+
+    def onto(self, chain: BlockChain, blocks: list[BlockProfile]) -> list[BlockProfile]:
+        """``blocks`` with these times as ``BlockProfile.glue_after_ms``, ``stand_in_ms``
+        and ``walk_ms``. A split half's call ends with its child ``C``: the code after it
+        and its stand-in go to ``C``'s block."""
+        block_of = {c: i for i, b in enumerate(chain.blocks) for c in b.calls}
+        splits = dict(chain.splits)
+        after, stand_in = [0.0] * len(blocks), [0.0] * len(blocks)
+        for c in block_of:
+            end = block_of[splits.get(c, c)]
+            after[end] += self.after_call_ms[c]
+            stand_in[end] += self.stand_in_ms[c]
+        walk = {block_of[c]: ms for c, ms in self.walk_ms.items()}
+        return [dataclasses.replace(block, glue_after_ms=round(after[i], 4),
+                                    stand_in_ms=round(stand_in[i], 4),
+                                    walk_ms=round(walk.get(i, 0.0), 4))
+                for i, block in enumerate(blocks)]
 
 
 @dataclass(frozen=True, slots=True)

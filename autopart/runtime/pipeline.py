@@ -84,6 +84,14 @@ class PipelinedModel:
         self.is_last = any(s.index == len(plan.stages) - 1 for s in stage_plans)
         self._token_loss = token_loss
         self._tied = tied
+        # one flattened all-reduce per run of weights with the same holders (a module cut
+        # into slices has several): each collective costs a link latency or more
+        self._tied_runs: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+        for shared in tied:
+            if self._tied_runs and self._tied_runs[-1][0] is shared.group:
+                self._tied_runs[-1][1].append(shared.param)
+            else:
+                self._tied_runs.append((shared.group, [shared.param]))
         self._head_split = head_split
         self._aliases = aliases
         self._tp_grad_sum = list(tp_grad_sum or [])
@@ -211,15 +219,7 @@ class PipelinedModel:
         place_grads(params)
         if self._tp_grad_sum and self.groups.tp_group is not None:
             all_reduce_grads(self._tp_grad_sum, self.groups.tp_group)
-        # one flattened all-reduce per run of weights with the same holders (a module cut
-        # into slices has several): each collective costs a link latency or more
-        runs: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
-        for shared in self._tied:
-            if runs and runs[-1][0] is shared.group:
-                runs[-1][1].append(shared.param)
-            else:
-                runs.append((shared.group, [shared.param]))
-        for group, held in runs:
+        for group, held in self._tied_runs:
             all_reduce_grads(held, group)
         if self.groups.dp_group is not None and not self._fsdp:
             divide = 1 if self._token_loss is not None else self.groups.dp_size

@@ -41,7 +41,8 @@ from autopart.errors import RuntimeSetupError, SchemaError
 from autopart.jsonio import dump_json, write_text
 from autopart.schema import Profile, RuntimeOverhead
 
-__all__ = ["check_machine", "load_cached_overhead", "machine_check_for", "save_cached_overhead"]
+__all__ = ["check_machine", "load_cached_overhead", "machine_check_for", "round_trips",
+           "save_cached_overhead"]
 
 CHECK_VERSION = 2
 """What the check measures; a cached check of another version is not used (2: the link's
@@ -219,7 +220,7 @@ def _ping_pong(rank: int, device: torch.device) -> dict[str, float]:
     CPU the mean of 4-byte messages while rank 1 also computes (``busy_small_ms``)."""
     out = {}
     for name, numel, reps in (("small", 1, 200), ("large", 2**20, 20)):
-        times = _round_trips(rank, torch.zeros(numel, device=device), reps)
+        times = round_trips(rank, torch.zeros(numel, device=device), reps)
         out[f"{name}_ms"] = statistics.median(times)
         out[f"{name}_bytes"] = numel * 4
     if device.type == "cpu":
@@ -228,7 +229,7 @@ def _ping_pong(rank: int, device: torch.device) -> dict[str, float]:
         if rank == 1:
             worker.start()
         try:
-            out["busy_small_ms"] = statistics.mean(_round_trips(rank, torch.zeros(1), 400))
+            out["busy_small_ms"] = statistics.mean(round_trips(rank, torch.zeros(1), 400))
         finally:
             stop.set()
             if rank == 1:
@@ -236,8 +237,9 @@ def _ping_pong(rank: int, device: torch.device) -> dict[str, float]:
     return out
 
 
-def _round_trips(rank: int, buf: torch.Tensor, reps: int) -> list[float]:
-    """One-way ms of ``reps`` round trips of ``buf`` between the two ranks."""
+def round_trips(rank: int, buf: torch.Tensor, reps: int) -> list[float]:
+    """One-way ms of each of ``reps`` round trips of ``buf`` between ranks 0 and 1 (a
+    barrier before each; call it on both ranks of an initialized process group)."""
     times = []
     for _ in range(reps):
         dist.barrier()
