@@ -133,7 +133,7 @@ def parse_methods(text: str) -> list[tuple[str, int, str]]:
     methods = []
     for item in text.split(","):
         flush, count, *clock = item.strip().split(":")
-        if (flush not in ("llc", "none") or not count.isdigit() or len(clock) > 1
+        if (flush not in ("llc", "none", "model") or not count.isdigit() or len(clock) > 1
                 or (clock and clock[0] not in ("auto", "wall", "thread"))):
             print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
                   f"llc or none, CLOCK auto, wall or thread, e.g. none:1", file=sys.stderr)

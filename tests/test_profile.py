@@ -92,7 +92,7 @@ class _VirtualBlock(nn.Module):
 
 
 class _VirtualBackend(Backend):
-    def time(self, fn):
+    def time(self, fn, hot=(), warm=None):
         start = _CLOCK[0]
         out = fn()
         return _CLOCK[0] - start, out
@@ -139,6 +139,9 @@ def test_setup_and_model_info(tiny):
     assert s.torch_version == torch.__version__ and s.transformers_version
     assert s.num_threads == torch.get_num_threads() and s.num_repeats == 2
     assert s.time_source.startswith("measured") and s.memory_source.startswith("measured")
+    # the cpu default: the model's own weights' worth read before each timed call
+    assert "weights' worth read" in s.time_source
+    assert f"({tiny.model.num_params * 4 / 2**20:.1f} MiB)" in s.time_source
     m = tiny.model
     assert (m.name, m.family, m.num_layers, m.vocab_size, m.hidden_size) == (
         "tiny-llama", "llama", 4, 512, 64)

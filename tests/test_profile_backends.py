@@ -68,6 +68,41 @@ def test_cpu_times_every_call_after_writing_over_twice_the_last_level_cache():
     assert "caches flushed" in backend.time_source
 
 
+def test_model_flush_reads_the_weights_worth_then_touches_the_inputs(monkeypatch):
+    """``model``: a read (never a write) of as many bytes as the model's weights, capped at
+    twice the last-level cache, then the call's inputs read again, all before the clock."""
+    from torch.overrides import TorchFunctionMode
+
+    from autopart.profile import backends
+
+    monkeypatch.setattr(backends, "last_level_cache_bytes", lambda: 1 << 20)
+    backend = backends.CPUBackend("model")
+    assert backend.flush_bytes == 0  # sized once the model is known
+    backend.size_flush(4096)
+    assert backend.flush_bytes == 4096 and backend._flush.numel() == 1024
+    assert "weights' worth read" in backend.time_source and "0.0 MiB" in backend.time_source
+    backend.size_flush(10 << 20)
+    assert backend.flush_bytes == 2 << 20  # capped at twice the last-level cache
+
+    order = []
+
+    class Log(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "sum":
+                order.append("flush" if args[0] is backend._flush else "input")
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    before = backend._flush.clone()
+    with Log():
+        _, out = backend.time(lambda: order.append("fn") or 5, (x, None))
+    assert out == 5 and order == ["flush", "input", "fn"]
+    assert torch.equal(backend._flush, before)  # read, not written
+    llc = backends.CPUBackend("llc")
+    llc.size_flush(4096)
+    assert llc.flush_bytes == 2 << 20  # llc does not depend on the model
+
+
 def test_last_level_cache_falls_back_where_sysfs_says_nothing(monkeypatch):
     from autopart.profile import backends
 
@@ -125,15 +160,15 @@ def test_cpu_backend_without_flush_writes_nothing():
         CPUBackend("l3")
 
 
-def test_auto_flush_is_none_on_cpu_and_an_unknown_flush_is_refused():
+def test_auto_flush_is_model_on_cpu_and_an_unknown_flush_is_refused():
     from autopart.errors import ProfileError
     from autopart.profile.backends import AUTO_FLUSH, make_backend
 
-    assert AUTO_FLUSH == {"cpu": "none", "cuda": "llc"}
-    assert make_backend("cpu").flush_bytes == 0
-    assert make_backend("cpu", "auto").flush_bytes == 0
+    assert AUTO_FLUSH == {"cpu": "model", "cuda": "llc"}
+    assert make_backend("cpu").flush == make_backend("cpu", "auto").flush == "model"
+    assert make_backend("cpu", "none").flush_bytes == 0
     assert make_backend("cpu", "llc").flush_bytes > 0
-    with pytest.raises(ProfileError, match="expected auto, none or llc"):
+    with pytest.raises(ProfileError, match="expected auto, none, llc, model"):
         make_backend("cpu", "l2")
 
 

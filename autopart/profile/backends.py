@@ -39,13 +39,22 @@ class Backend:
     """Tensors expose storages, so saved-tensor and live-tensor tracking works."""
     time_source = "measured: time.perf_counter"
     memory_source = "measured: saved-tensor hooks + live-tensor dispatch mode"
+    warms_a_copy = False
+    """``time`` is handed a ``warm`` callable to run after its flush: the block's calls on
+    a copy of its weights (the CPU ``model`` flush; ``autopart.profile.measure``)."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.device_name = _cpu_name()
 
-    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """Milliseconds ``fn`` takes on the device, and its result."""
+    def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
+             warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
+        """Milliseconds ``fn`` takes on the device, and its result.
+
+        ``hot``: tensors the call finds in cache in a pipeline (its input, just produced);
+        ``warm``: the same call on a copy of the block's weights. A backend that flushes
+        before the call runs ``warm`` and touches ``hot`` after the flush, untimed.
+        """
         start = time.perf_counter()
         out = fn()
         return (time.perf_counter() - start) * 1e3, out
@@ -70,10 +79,14 @@ class Backend:
 class CPUBackend(Backend):
     """Host CPU, timed with ``perf_counter``; optionally with cold caches.
 
-    ``flush="llc"`` writes over twice the last-level cache (sysfs) before every timed call,
-    as Triton's ``do_bench`` clears the GPU's L2; ``flush="none"`` times the calls back to
-    back (warm caches). Which one transfers to a pipeline is what
-    ``scripts/timing_sweep.py`` measures (docs/timing-sweep.md).
+    ``flush="model"`` reads as many bytes as the model's weights (at most twice the
+    last-level cache, sysfs) before every timed call and then touches the call's inputs:
+    in a pipeline the other blocks' weights pass through the caches between two calls of
+    a block, while its input was just produced (``size_flush`` sets the size once the
+    model is known). ``flush="llc"`` writes over twice the last-level cache, as Triton's
+    ``do_bench`` clears the GPU's L2; ``flush="none"`` times the calls back to back (warm
+    caches). Which one transfers to a pipeline is what ``scripts/timing_sweep.py``
+    measures (docs/timing-sweep.md).
     """
 
     def __init__(self, flush: str = "none", clock: str = "wall") -> None:
@@ -87,24 +100,46 @@ class CPUBackend(Backend):
         self.clock = clock
         if flush not in CACHE_FLUSHES:
             raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
-                               f"{' or '.join(CACHE_FLUSHES)}")
+                               f"{', '.join(CACHE_FLUSHES)}")
         self.flush = flush
-        self.flush_bytes = 2 * last_level_cache_bytes() if flush == "llc" else 0
-        self.time_source = ("measured: time.perf_counter, caches flushed before each timed "
-                            f"call ({self.flush_bytes >> 20} MiB written)" if self.flush_bytes
-                            else "measured: time.perf_counter, calls back to back (no flush)")
-        if clock == "thread":
-            self.time_source = self.time_source.replace(
-                "time.perf_counter", "time.thread_time (the thread's CPU time)")
-        # allocated here, never inside a measured region (memory is tracked there)
-        self._flush = torch.zeros(self.flush_bytes // 4, dtype=torch.float32)
+        self.warms_a_copy = flush == "model"
+        self.size_flush(0)
 
-    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+    def size_flush(self, model_bytes: int) -> None:
+        """Size the ``model`` flush by the bytes of the model's weights (``llc`` and
+        ``none`` do not depend on it); call before any measured region, since the buffer
+        is allocated here (memory is tracked there)."""
+        llc = 2 * last_level_cache_bytes()
+        sizes = {"llc": llc, "model": min(max(model_bytes, 0), llc), "none": 0}
+        self.flush_bytes = sizes[self.flush]
+        clock = ("time.thread_time (the thread's CPU time)" if self.clock == "thread"
+                 else "time.perf_counter")
+        self.time_source = {
+            "none": f"measured: {clock}, calls back to back (no flush)",
+            "llc": f"measured: {clock}, caches flushed before each timed call "
+                   f"({self.flush_bytes >> 20} MiB written)",
+            "model": f"measured: {clock}, the model's weights' worth read before each timed "
+                     f"call ({self.flush_bytes / 2**20:.1f} MiB), then the call run on a copy "
+                     f"of the block's weights and its input touched",
+        }[self.flush]
+        self._flush = torch.ones(self.flush_bytes // 4, dtype=torch.float32)
+
+    def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
+             warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
         """Milliseconds ``fn`` takes (after the flush, if any), and its result: wall time,
         or with ``clock="thread"`` the calling thread's CPU time, which a process waiting
-        for a core on a shared machine does not accrue."""
-        if self.flush_bytes:
+        for a core on a shared machine does not accrue. After a ``model`` flush ``warm``
+        runs (the call on a copy of the weights: warm code, cold weights) and the tensors
+        in ``hot`` are read again, as a pipeline hands a block its input warm."""
+        if self.flush == "llc":
             self._flush.add_(1.0)
+        elif self.flush_bytes:
+            self._flush.sum()
+            if warm is not None:
+                warm()
+            for tensor in hot:
+                if isinstance(tensor, torch.Tensor) and tensor.numel():
+                    tensor.detach().sum()
         if self.clock == "wall":
             return super().time(fn)
         start = time.thread_time()
@@ -130,9 +165,9 @@ class CUDABackend(Backend):
                 f"backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
                 f"use --backend cpu, or analytical:h100 to estimate without a GPU")
-        if flush not in CACHE_FLUSHES:
-            raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
-                               f"{' or '.join(CACHE_FLUSHES)}")
+        if flush not in CACHE_FLUSHES or flush == "model":
+            raise ProfileError(f"cache_flush {flush!r} is not one for cuda; expected auto, "
+                               f"none or llc")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
         self.flush_bytes = (l2_flush_bytes(torch.cuda.get_device_properties(self.device))
@@ -143,7 +178,8 @@ class CUDABackend(Backend):
         # allocated here, never inside a measured region (the allocator's peak is tracked)
         self._flush = torch.empty(self.flush_bytes, dtype=torch.int8, device=self.device)
 
-    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+    def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
+             warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
         """GPU milliseconds between two events recorded around ``fn`` (after the flush)."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -203,7 +239,8 @@ class XLABackend(Backend):
             self.memory_source = ("measured: xm.get_memory_info bytes_used after forward "
                                   "(activations); transient computed on meta")
 
-    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+    def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
+             warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
         """Wall milliseconds until the graph traced by ``fn`` has run on the device."""
         start = time.perf_counter()
         out = fn()
@@ -242,11 +279,11 @@ class XLABackend(Backend):
 
 
 _DEFAULT_LLC_BYTES = 32 << 20
-CACHE_FLUSHES = ("none", "llc")
-"""What a backend does before each timed call: nothing, or twice the last-level cache
-written (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
+CACHE_FLUSHES = ("none", "llc", "model")
+"""What a backend does before each timed call: nothing, twice the last-level cache
+written, or (cpu) the model's weights' worth read and the call's input touched (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
 ``AUTO_FLUSH``)."""
-AUTO_FLUSH = {"cpu": "none", "cuda": "llc"}
+AUTO_FLUSH = {"cpu": "model", "cuda": "llc"}
 CLOCKS = ("wall", "thread")
 """``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
 time; ``auto`` is ``thread`` on cpu with one torch thread, else ``wall`` (``auto_clock``)."""
@@ -258,9 +295,11 @@ def auto_clock(name: str) -> str:
     the stages' CPU time in a pipeline, thread-clock ones 28% / 6.6%, medians of stage F /
     B; docs/timing-sweep.md), else the wall clock."""
     return "thread" if name == "cpu" and torch.get_num_threads() == 1 else "wall"
-"""``cache_flush="auto"`` per backend. On CPU, blocks timed back to back predicted a
-2-rank pipeline's stages better than cold-cache timing, and cost a fraction of the
-profiling time (docs/timing-sweep.md); on CUDA, an L2 flush as Triton's ``do_bench``."""
+"""``cache_flush="auto"`` per backend. On CPU, ``model``: in three sweeps of generated
+models on 2 gloo ranks (docs/timing-sweep.md) it predicted the step better than calls
+back to back (median |error| 8.6-11.9% against 12.2-19.6% on the same runs, stage B
+5.0-10.3% against 9.2-12.6%), where ``llc``, sized to the machine, read blocks 1.7x
+slow; on CUDA, an L2 flush as Triton's ``do_bench``."""
 
 
 def last_level_cache_bytes() -> int:
@@ -292,8 +331,8 @@ def make_backend(name: str, cache_flush: str = "auto", clock: str = "auto") -> B
     Args:
         name: ``cpu``, ``cuda`` or ``xla``.
         cache_flush: The flush before each timed call (``CACHE_FLUSHES`` or ``auto``,
-            ``AUTO_FLUSH``): on ``cpu`` the last-level cache, on ``cuda`` the L2; ``xla``
-            ignores it.
+            ``AUTO_FLUSH``): on ``cpu`` the model's weights' worth or the last-level cache,
+            on ``cuda`` the L2; ``xla`` ignores it.
         clock: ``wall``, ``thread`` (cpu only: the thread's CPU time) or ``auto``
             (``auto_clock``).
 

@@ -41,8 +41,11 @@ class ProfileOptions:
     standing in for the pipeline's other ranks (``autopart profile --pp N``: ``N - 1``)."""
     cache_flush: str = "auto"
     """Before every timed call: ``none`` times each call right after the previous one;
-    ``llc`` writes over twice the last-level cache (cpu) or zeroes twice the L2 (cuda);
-    ``auto`` is ``none`` on cpu (chosen by ``scripts/timing_sweep.py``, see
+    ``model`` (cpu) reads as many bytes as the model's weights, runs the call on a copy of
+    the block's weights and touches its input (in a pipeline the other blocks' weights
+    pass through the caches between two calls of a block, while its code and input are
+    warm); ``llc`` writes over twice the last-level cache (cpu) or zeroes twice the L2
+    (cuda); ``auto`` is ``model`` on cpu (chosen by ``scripts/timing_sweep.py``, see
     docs/timing-sweep.md) and ``llc`` on cuda, as Triton's ``do_bench``."""
     clock: str = "auto"
     """``wall`` (``time.perf_counter``); on cpu with one thread ``thread``: the thread's
