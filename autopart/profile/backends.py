@@ -281,8 +281,9 @@ class XLABackend(Backend):
 _DEFAULT_LLC_BYTES = 32 << 20
 CACHE_FLUSHES = ("none", "llc", "model")
 """What a backend does before each timed call: nothing, twice the last-level cache
-written, or (cpu) the model's weights' worth read and the call's input touched (``ProfileOptions.cache_flush``, where ``auto`` picks per backend:
-``AUTO_FLUSH``)."""
+written, or (cpu) the model's weights' worth read, the call run on a copy of the
+block's weights and its input touched (``ProfileOptions.cache_flush``, where ``auto``
+picks per backend: ``AUTO_FLUSH``)."""
 AUTO_FLUSH = {"cpu": "model", "cuda": "llc"}
 CLOCKS = ("wall", "thread")
 """``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
