@@ -194,3 +194,14 @@ def test_split_head_is_held_whole_on_every_rank_with_a_shard():
     assert rank_static_bytes(costs, (0, 4)) == 80
     assert rank_static_bytes(costs, (0,)) == 80
     assert rank_static_bytes(costs, (1, 3)) == 160 + 64
+
+
+def test_first_stage_runs_its_whole_backward_as_w():
+    """torch's split backward skips the first stage's B (its input, the token ids, needs
+    no gradient) and runs the whole backward in W: B 0, W = every block's B + W there;
+    a later stage keeps the split. The full backward is the same either way."""
+    arrays = block_arrays(_llm(), SETUP)
+    first, later = stage_cost(arrays, 0, 1), stage_cost(arrays, 2, 3)
+    assert (first.bwd_input_ms, first.bwd_weight_ms) == (0.0, 4.0)
+    assert (later.bwd_input_ms, later.bwd_weight_ms) == (2.0, 2.0)
+    assert first.bwd_ms == later.bwd_ms == 4.0

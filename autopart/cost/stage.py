@@ -151,11 +151,16 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     last_block = arrays.num_blocks - 1
     static, params, held = _stage_static(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
+    bwd_weight = float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first])
+    if first == 0:
+        # the model's first stage has no input gradient to hurry: torch's split backward
+        # skips its B and runs the whole backward as its W (``backward_one_chunk``)
+        bwd_in, bwd_weight = 0.0, bwd_weight + bwd_in
     return StageCost(
         fwd_ms=fwd + fwd_extra + _outside_blocks_ms(arrays, first, last)
         + _head_grad_fwd_ms(arrays, first, last),
         bwd_input_ms=bwd_in + bwd_extra,
-        bwd_weight_ms=float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first]),
+        bwd_weight_ms=bwd_weight,
         static_bytes=static,
         activation_bytes=act,
         input_bytes=input_bytes,
