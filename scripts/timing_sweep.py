@@ -20,7 +20,7 @@ method; each other method profiles the model again and predicts the same plans (
 cuts, schedule, v and m) from its own profile, so every method is judged against the
 same measurements. A method is ``FLUSH:NEIGHBOURS[:CLOCK]`` (``ProfileOptions.cache_flush``,
 ``neighbours`` and ``clock``, ``auto`` when left out), e.g.
-``none:1,none:0,llc:1,none:1:wall``.
+``model:1,none:1,none:0,llc:1``.
 
 ``--loop`` closes the loop on each shape: the 1F1B plan's run is folded into the
 profile (``calibrate_profile``), a new plan is made from it and run, and its step error
@@ -48,6 +48,7 @@ import torch
 
 from autopart.errors import PlanError
 from autopart.profile import profile_model
+from autopart.profile.backends import AUTO_FLUSH
 from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
 from autopart.verify import (
@@ -136,7 +137,8 @@ def parse_methods(text: str) -> list[tuple[str, int, str]]:
         if (flush not in ("llc", "none", "model") or not count.isdigit() or len(clock) > 1
                 or (clock and clock[0] not in ("auto", "wall", "thread"))):
             print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
-                  f"llc or none, CLOCK auto, wall or thread, e.g. none:1", file=sys.stderr)
+                  f"model, none or llc, CLOCK auto, wall or thread, e.g. model:1",
+                  file=sys.stderr)
             sys.exit(2)
         methods.append((flush, int(count), clock[0] if clock else "auto"))
     return methods
@@ -285,9 +287,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 shapes (tiny Qwen2, heavy "
                         "head, MoE) under 1F1B only")
     parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
-    parser.add_argument("--methods", default="none:1", help="FLUSH:NEIGHBOURS[:CLOCK],...; "
-                        "the first makes the plans (default: what `autopart profile --pp 2` "
-                        "does: no flush, one neighbour, the auto clock)")
+    parser.add_argument("--methods", default=f"{AUTO_FLUSH['cpu']}:1",
+                        help="FLUSH:NEIGHBOURS[:CLOCK],...; the first makes the plans "
+                        "(default: what `autopart profile --pp 2` does: the cpu default "
+                        "flush, one neighbour, the auto clock)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
