@@ -41,11 +41,14 @@ class Backend:
     memory_source = "measured: saved-tensor hooks + live-tensor dispatch mode"
     warms_a_copy = False
     """``time`` is handed a ``warm`` callable to run after its flush: the block's calls on
-    a copy of its weights (the CPU ``model`` flush; ``autopart.profile.measure``)."""
+    a copy of its weights (the CPU ``model`` flush; ``autopart.profile.warm``)."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.device_name = _cpu_name()
+
+    def size_flush(self, model_bytes: int) -> None:
+        """Size a flush that depends on the model (``model_bytes``: its weights); none here."""
 
     def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
              warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
@@ -102,8 +105,12 @@ class CPUBackend(Backend):
             raise ProfileError(f"unknown cache_flush {flush!r}; expected auto, "
                                f"{', '.join(CACHE_FLUSHES)}")
         self.flush = flush
-        self.warms_a_copy = flush == "model"
         self.size_flush(0)
+
+    @property
+    def warms_a_copy(self) -> bool:
+        """The ``model`` flush runs the call on a copy of the weights after it."""
+        return self.flush == "model"
 
     def size_flush(self, model_bytes: int) -> None:
         """Size the ``model`` flush by the bytes of the model's weights (``llc`` and

@@ -47,9 +47,14 @@ class MeasuringEngine:
         self.device = backend.device
         self.device_name = backend.device_name
         self.num_warmup, self.num_repeats = num_warmup, num_repeats
-        self.time_source, self.memory_source = backend.time_source, backend.memory_source
+        self.memory_source = backend.memory_source
         self.dtype: torch.dtype = torch.float32
         """Set by the profiler: the dtype of meta copies (XLA computes memory on meta)."""
+
+    @property
+    def time_source(self) -> str:
+        """How the backend times (its flush is sized once the model is known)."""
+        return self.backend.time_source
 
     def measure(self, task: BlockTask, block_module: nn.Module) -> Figures:
         """Time ``task`` on the device and measure (or, on XLA, compute) its memory."""

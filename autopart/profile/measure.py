@@ -32,6 +32,7 @@ import torch
 from autopart.profile.backends import Backend
 from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
 from autopart.profile.tasks import BlockTask
+from autopart.profile.warm import hot_inputs, warm_on_a_copy
 
 __all__ = []
 
@@ -84,7 +85,7 @@ def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
         return _forward_only_times(task, backend, num_warmup, num_repeats)
     grad_out = incoming_grad(task)
     _same_graph_every_round(task, backend)
-    warm = _warm_on_a_copy(task, grad_out) if backend.warms_a_copy else (None, None)
+    warm = warm_on_a_copy(task, grad_out) if backend.warms_a_copy else (None, None)
     with _compile_clock(backend) as compile_ms:
         for _ in range(num_warmup):
             _timed_round(task, backend, grad_out, warm)
@@ -309,11 +310,11 @@ def coinciding_workspace(live: LiveTensors, saved: dict[int, int], in_key: int |
 def _forward_only_times(task: BlockTask, backend: Backend, num_warmup: int,
                         num_repeats: int) -> TimeFigures:
     """A block with nothing to differentiate (frozen weights, integer input): F only."""
-    warm = _warm_on_a_copy(task, None)[0] if backend.warms_a_copy else None
+    warm = warm_on_a_copy(task, None)[0] if backend.warms_a_copy else None
     with _compile_clock(backend) as compile_ms:
         for _ in range(num_warmup):
-            backend.time(task.forward, _hot_inputs(task), warm)
-    fwd = [backend.time(task.forward, _hot_inputs(task), warm)[0] for _ in range(num_repeats)]
+            backend.time(task.forward, hot_inputs(task), warm)
+    fwd = [backend.time(task.forward, hot_inputs(task), warm)[0] for _ in range(num_repeats)]
     return TimeFigures(fwd_ms=statistics.median(fwd), bwd_ms=0.0, bwd_input_ms=0.0,
                        bwd_weight_ms=0.0, fwd_ms_spread=_spread(fwd), compile_ms=compile_ms[0])
 
@@ -364,9 +365,9 @@ def _timed_round(task: BlockTask, backend: Backend, grad_out: torch.Tensor | Non
     """One round: F + full backward, then (with an input grad) F + B; returns the ms.
 
     ``warm``: what a flushing backend runs untimed before a forward and before a backward
-    (``_warm_on_a_copy``)."""
+    (``autopart.profile.warm``)."""
     task.inputs.grad = None
-    hot, warm_fwd, warm_bwd = _hot_inputs(task), warm[0], warm[1]
+    hot, warm_fwd, warm_bwd = hot_inputs(task), warm[0], warm[1]
     fwd_ms, out = backend.time(task.forward, hot, warm_fwd)
     full_ms, _ = backend.time(lambda: torch.autograd.backward(out, grad_out), (grad_out,),
                               warm_bwd)
@@ -378,56 +379,6 @@ def _timed_round(task: BlockTask, backend: Backend, grad_out: torch.Tensor | Non
     b_ms, _ = backend.time(lambda: torch.autograd.grad(out, task.inputs, grad_out),
                            (grad_out,), warm_bwd)
     return [fwd_ms, fwd2_ms], full_ms, [b_ms]
-
-
-def _warm_on_a_copy(task: BlockTask, grad_out: torch.Tensor | None
-                    ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The block's forward, and its forward + backward, run on a copy of its weights.
-
-    In a pipeline every layer runs the same code, so a block's code, its kernels' and
-    autograd's are warm when it runs, while its weights come back from farther away
-    after the other blocks' passed through the caches. Run after the flush, a copy
-    warms the first and leaves the second cold (the copy's weights are not the block's).
-    """
-    params = [p for p in task.module.parameters()]
-    copies = {id(p): p.detach().clone().requires_grad_(p.requires_grad) for p in params}
-    wanted = [c for c in copies.values() if c.requires_grad]
-    if task.input_grad:
-        wanted.append(task.inputs)
-
-    def forward() -> None:
-        with _on_copies(task.module, copies):
-            task.forward()
-
-    def backward() -> None:
-        with _on_copies(task.module, copies):
-            out = task.forward()
-            if wanted and out.requires_grad:
-                torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
-
-    return forward, backward
-
-
-@contextmanager
-def _on_copies(module: torch.nn.Module, copies: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Run ``module`` with ``copies`` (by ``id`` of the parameter) in place of its
-    parameters; the originals are put back on exit."""
-    swapped = []
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in copies:
-                swapped.append((sub, name, param))
-                sub._parameters[name] = copies[id(param)]
-    try:
-        yield
-    finally:
-        for sub, name, param in swapped:
-            sub._parameters[name] = param
-
-
-def _hot_inputs(task: BlockTask) -> tuple[torch.Tensor, ...]:
-    """What a pipeline hands the block warm: its input and the shared context."""
-    return (task.inputs, *task.exclude)
 
 
 def _spread(samples: list[float]) -> float:

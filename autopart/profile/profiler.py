@@ -108,9 +108,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
     engine = make_engine(backend, dtype, num_warmup, num_repeats, opts.cache_flush,
                          opts.clock)
     torch_dtype = TORCH_DTYPES[dtype]
-    if isinstance(engine, MeasuringEngine) and hasattr(engine.backend, "size_flush"):
+    if isinstance(engine, MeasuringEngine):
         engine.backend.size_flush(_weight_bytes(model, torch_dtype))
-        engine.time_source = engine.backend.time_source
     fork = [engine.device.index or 0] if engine.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):
         torch.manual_seed(0)
@@ -155,8 +154,7 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
 
 def _weight_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The model's parameter bytes in ``dtype`` (tied weights once), for sizing the flush."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() for p in model.parameters()) * size
+    return param_bytes_and_count(model)[1] * torch.empty((), dtype=dtype).element_size()
 
 
 def _device_memory_bytes(engine: _Engine) -> int:
