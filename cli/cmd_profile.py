@@ -67,11 +67,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "cores / N threads, what each rank gets (--threads wins), while N - 1 "
                         "neighbour processes profile the same model, as the other ranks will "
                         "load the CPU")
-    p.add_argument("--cache-flush", default="auto", choices=("auto", "none", "llc", "model"),
+    p.add_argument("--cache-flush", default="auto",
+                   choices=("auto", "none", "llc", "model", "order"),
                    help="before each timed call: auto (cpu: model, cuda: llc), model (cpu: "
                         "read the model's weights' worth, run the call on a copy of the "
-                        "block's weights, touch its input), none (back to back), llc (write "
-                        "over twice the last-level cache, the GPU's L2)")
+                        "block's weights, touch its input), order (cpu: as model, then the "
+                        "forwards timed again in model order), none (back to back), llc "
+                        "(write over twice the last-level cache, the GPU's L2)")
     p.add_argument("--clock", default="auto", choices=("auto", "wall", "thread"),
                    help="wall (perf_counter); thread (cpu, one thread): the thread's CPU "
                         "time, which waiting for a core on a shared machine does not add "

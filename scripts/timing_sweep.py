@@ -48,7 +48,7 @@ import torch
 
 from autopart.errors import PlanError
 from autopart.profile import profile_model
-from autopart.profile.backends import AUTO_FLUSH
+from autopart.profile.backends import AUTO_FLUSH, CACHE_FLUSHES
 from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
 from autopart.verify import (
@@ -134,7 +134,7 @@ def parse_methods(text: str) -> list[tuple[str, int, str]]:
     methods = []
     for item in text.split(","):
         flush, count, *clock = item.strip().split(":")
-        if (flush not in ("llc", "none", "model") or not count.isdigit() or len(clock) > 1
+        if (flush not in CACHE_FLUSHES or not count.isdigit() or len(clock) > 1
                 or (clock and clock[0] not in ("auto", "wall", "thread"))):
             print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
                   f"model, none or llc, CLOCK auto, wall or thread, e.g. model:1",

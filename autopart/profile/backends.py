@@ -42,6 +42,9 @@ class Backend:
     warms_a_copy = False
     """``time`` is handed a ``warm`` callable to run after its flush: the block's calls on
     a copy of its weights (the CPU ``model`` flush; ``autopart.profile.warm``)."""
+    times_in_order = False
+    """The profiler times the forwards again in model order (the CPU ``order`` method;
+    ``autopart.profile.order``)."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -109,26 +112,36 @@ class CPUBackend(Backend):
 
     @property
     def warms_a_copy(self) -> bool:
-        """The ``model`` flush runs the call on a copy of the weights after it."""
-        return self.flush == "model"
+        """The ``model`` and ``order`` flushes run the call on a copy of the weights."""
+        return self.flush in ("model", "order")
+
+    @property
+    def times_in_order(self) -> bool:
+        """``order``: forwards are timed again in the model's order
+        (``autopart.profile.order``)."""
+        return self.flush == "order"
 
     def size_flush(self, model_bytes: int) -> None:
         """Size the ``model`` flush by the bytes of the model's weights (``llc`` and
         ``none`` do not depend on it); call before any measured region, since the buffer
         is allocated here (memory is tracked there)."""
         llc = 2 * last_level_cache_bytes()
-        sizes = {"llc": llc, "model": min(max(model_bytes, 0), llc), "none": 0}
+        model = min(max(model_bytes, 0), llc)
+        sizes = {"llc": llc, "model": model, "order": model, "none": 0}
         self.flush_bytes = sizes[self.flush]
         clock = ("time.thread_time (the thread's CPU time)" if self.clock == "thread"
                  else "time.perf_counter")
-        self.time_source = {
+        sources = {
             "none": f"measured: {clock}, calls back to back (no flush)",
             "llc": f"measured: {clock}, caches flushed before each timed call "
                    f"({self.flush_bytes >> 20} MiB written)",
-            "model": f"measured: {clock}, the model's weights' worth read before each timed "
-                     f"call ({self.flush_bytes / 2**20:.1f} MiB), then the call run on a copy "
-                     f"of the block's weights and its input touched",
-        }[self.flush]
+        }
+        sources["model"] = (
+            f"measured: {clock}, the model's weights' worth read before each timed call "
+            f"({self.flush_bytes / 2**20:.1f} MiB), then the call run on a copy of the "
+            f"block's weights and its input touched")
+        sources["order"] = sources["model"] + "; forwards scaled to their times in model order"
+        self.time_source = sources[self.flush]
         self._flush = torch.ones(self.flush_bytes // 4, dtype=torch.float32)
 
     def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
@@ -172,7 +185,7 @@ class CUDABackend(Backend):
                 f"backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
                 f"use --backend cpu, or analytical:h100 to estimate without a GPU")
-        if flush not in CACHE_FLUSHES or flush == "model":
+        if flush not in CACHE_FLUSHES or flush in ("model", "order"):
             raise ProfileError(f"cache_flush {flush!r} is not one for cuda; expected auto, "
                                f"none or llc")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -286,11 +299,12 @@ class XLABackend(Backend):
 
 
 _DEFAULT_LLC_BYTES = 32 << 20
-CACHE_FLUSHES = ("none", "llc", "model")
+CACHE_FLUSHES = ("none", "llc", "model", "order")
 """What a backend does before each timed call: nothing, twice the last-level cache
 written, or (cpu) the model's weights' worth read, the call run on a copy of the
-block's weights and its input touched (``ProfileOptions.cache_flush``, where ``auto``
-picks per backend: ``AUTO_FLUSH``)."""
+block's weights and its input touched; (cpu) ``order`` does as ``model`` and then times
+the forwards again in the model's order (``autopart.profile.order``)
+(``ProfileOptions.cache_flush``, where ``auto`` picks per backend: ``AUTO_FLUSH``)."""
 AUTO_FLUSH = {"cpu": "model", "cuda": "llc"}
 CLOCKS = ("wall", "thread")
 """``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU

@@ -42,6 +42,7 @@ from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.options import ProfileOptions
+from autopart.profile.order import fits_in_memory, in_order, time_in_order
 from autopart.profile.slice_checks import SliceChecks
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
@@ -121,8 +122,9 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                              profile_model):
             load_before = load_average()
             slices = SliceChecks(model, chain) if chain.granularity != "layer" else None
+            order = _order_pass(model, chain, runner, engine, torch_dtype)
             blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
-                                              progress, slices)
+                                              progress, slices, order)
             timed_glue = (isinstance(engine, MeasuringEngine)
                           and engine.device.type in ("cpu", "cuda"))
             glue = runner.time_glue(outputs) if timed_glue else None
@@ -138,8 +140,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
         transformers_version=_transformers_version(),
         num_warmup=0 if backend.startswith("analytical") else num_warmup,
         num_repeats=0 if backend.startswith("analytical") else num_repeats,
-        time_source=engine.time_source + (f", beside {neighbours} busy neighbour process(es)"
-                                          if neighbours else ""),
+        time_source=engine.time_source + (order.note if order is not None else "") + (
+            f", beside {neighbours} busy neighbour process(es)" if neighbours else ""),
         memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(),
         glue_fwd_ms=round(glue.total_ms, 4) if glue is not None else 0.0,
@@ -183,10 +185,12 @@ def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: s
 
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                     engine: _Engine, backend: str, dtype: str,
-                    progress: ProgressFn | None, slices: SliceChecks | None = None
+                    progress: ProgressFn | None, slices: SliceChecks | None = None,
+                    order: _OrderPass | None = None
                     ) -> tuple[list[BlockProfile], dict[int, Any]]:
     """Watch the forward: measure each new kind of call, reuse identical ones; the blocks'
-    profiles and every call's output (as the model's code saw it)."""
+    profiles and every call's output (as the model's code saw it). With ``order``, the
+    forwards are then scaled to their times in model order (``autopart.profile.order``)."""
     hf_init = getattr(model, "_init_weights", None) if chain.family == "hf_causal_lm" else None
     block_of = {c: b for b in chain.blocks for c in b.calls}
     seen: dict[str, tuple[_CallFigures, Any, int]] = {}
@@ -245,6 +249,8 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
         raise ProfileError(f"the forward did not call {missing[0]} when profiled, though it did "
                            f"when autopart watched it; the model's forward must call the same "
                            f"blocks for every input")
+    if order is not None:
+        done = order(done, split, outputs)
     first_of: dict[tuple[str, ...], str] = {}  # a block's call signatures -> first such block
     for block in chain.blocks:
         first_of.setdefault(tuple(done[c][1] for c in block.calls), block.name)
@@ -252,6 +258,38 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                                first_of[tuple(done[c][1] for c in block.calls)])
                 for block in chain.blocks]
     return with_crossing_bytes(chain, profiles, crossing), outputs
+
+
+class _OrderPass:
+    """The CPU ``order`` method's second look: forwards timed in model order
+    (``autopart.profile.order``); ``note`` ends the profile's ``time_source``."""
+
+    def __init__(self, model: nn.Module, chain: BlockChain, runner: ForwardRunner,
+                 dtype: torch.dtype, thread_clock: bool) -> None:
+        self.model, self.chain, self.runner = model, chain, runner
+        self.dtype, self.thread_clock = dtype, thread_clock
+        self.note = ""
+
+    def __call__(self, done: dict[int, tuple[_CallFigures, str]], splits: dict[int, int],
+                 outputs: dict[int, Any]) -> dict[int, tuple[_CallFigures, str]]:
+        weights = _weight_bytes(self.model, self.dtype)
+        activations = sum(c.figures.memory.activation_bytes for c, _ in done.values())
+        if not fits_in_memory(2 * weights, activations):  # weights and their grads
+            self.note = (f" (not in model order: the model's {weights / 2**30:.1f} GiB of "
+                         f"weights and its activations need more than a quarter of the "
+                         f"memory available)")
+            return done
+        timed = time_in_order(self.model, self.chain, self.runner, outputs, self.dtype,
+                              self.thread_clock)
+        return in_order(done, splits, timed)
+
+
+def _order_pass(model: nn.Module, chain: BlockChain, runner: ForwardRunner, engine: _Engine,
+                dtype: torch.dtype) -> _OrderPass | None:
+    """The order pass where the backend asks for it (the CPU ``order`` method)."""
+    if not (isinstance(engine, MeasuringEngine) and engine.backend.times_in_order):
+        return None
+    return _OrderPass(model, chain, runner, dtype, engine.backend.clock == "thread")
 
 
 @dataclass(frozen=True, slots=True)
