@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "load the CPU")
     p.add_argument("--cache-flush", default="auto",
                    choices=("auto", "none", "llc", "model", "order"),
-                   help="before each timed call: auto (cpu: model, cuda: llc), model (cpu: "
+                   help="before each timed call: auto (cpu: order, cuda: llc), model (cpu: "
                         "read the model's weights' worth, run the call on a copy of the "
                         "block's weights, touch its input), order (cpu: as model, then the "
                         "forwards timed again in model order), none (back to back), llc "

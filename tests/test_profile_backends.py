@@ -160,15 +160,15 @@ def test_cpu_backend_without_flush_writes_nothing():
         CPUBackend("l3")
 
 
-def test_auto_flush_is_model_on_cpu_and_an_unknown_flush_is_refused():
+def test_auto_flush_is_order_on_cpu_and_an_unknown_flush_is_refused():
     from autopart.errors import ProfileError
     from autopart.profile.backends import AUTO_FLUSH, make_backend
 
-    assert AUTO_FLUSH == {"cpu": "model", "cuda": "llc"}
-    assert make_backend("cpu").flush == make_backend("cpu", "auto").flush == "model"
+    assert AUTO_FLUSH == {"cpu": "order", "cuda": "llc"}
+    assert make_backend("cpu").flush == make_backend("cpu", "auto").flush == "order"
     assert make_backend("cpu", "none").flush_bytes == 0
     assert make_backend("cpu", "llc").flush_bytes > 0
-    with pytest.raises(ProfileError, match="expected auto, none, llc, model"):
+    with pytest.raises(ProfileError, match="expected auto, none, llc, model, order"):
         make_backend("cpu", "l2")
 
 

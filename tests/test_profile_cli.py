@@ -115,7 +115,8 @@ def test_bad_neighbours_is_one_line_and_exit_2(argv, capsys):
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "auto"), (["--cache-flush", "llc"], "llc"),
                                                 (["--cache-flush", "none"], "none"),
-                                                (["--cache-flush", "model"], "model")])
+                                                (["--cache-flush", "model"], "model"),
+                                                (["--cache-flush", "order"], "order")])
 def test_cache_flush_flag_reaches_the_options(argv, expected):
     import argparse
 

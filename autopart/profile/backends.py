@@ -305,7 +305,7 @@ written, or (cpu) the model's weights' worth read, the call run on a copy of the
 block's weights and its input touched; (cpu) ``order`` does as ``model`` and then times
 the forwards again in the model's order (``autopart.profile.order``)
 (``ProfileOptions.cache_flush``, where ``auto`` picks per backend: ``AUTO_FLUSH``)."""
-AUTO_FLUSH = {"cpu": "model", "cuda": "llc"}
+AUTO_FLUSH = {"cpu": "order", "cuda": "llc"}
 CLOCKS = ("wall", "thread")
 """``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
 time; ``auto`` is ``thread`` on cpu with one torch thread, else ``wall`` (``auto_clock``)."""

@@ -35,6 +35,10 @@ __all__ = []
 
 ORDER_PASSES = 5
 """Timed passes over the model (after one untimed pass); each call's median is kept."""
+ORDER_BUDGET_S = 30.0
+"""No further timed pass starts after this many seconds of them (at least one runs):
+the passes run every block, so on deep models they cost more than the profile's one
+measurement per kind of block."""
 MEMORY_SHARE = 0.25
 """The pass runs only when weights + one microbatch's activations fit in this share of
 the memory available."""
@@ -115,8 +119,11 @@ def time_in_order(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
             del out
 
     one_pass(False)
+    start = time.perf_counter()
     for _ in range(num_passes):
         one_pass(True)
+        if time.perf_counter() - start > ORDER_BUDGET_S:
+            break
     for module in modules.values():
         module.zero_grad(set_to_none=True)
     return InOrder([statistics.median(s) if s else 0.0 for s in fwd],
