@@ -160,3 +160,13 @@ def test_calibrated_profile_needs_profile(files, capsys):
     assert main(["verify", str(files["plan"]), "--model", "tiny-llama", "--calibrated-profile",
                  str(files["root"] / "out.json")]) == 2
     assert "needs --profile" in _one_line_error(capsys)
+
+
+def test_a_model_that_is_not_an_hf_causal_lm_gets_one_line(tmp_path, capsys):
+    source = "examples.tutorial_model:tiny_transformer"
+    profile = profile_model(source, backend="analytical:h100", seq_len=16)
+    plan_path = tmp_path / "plan.json"
+    make_plan(profile, pp_size=2, num_microbatches=2, schedule="1f1b").save(plan_path)
+    assert main(["verify", str(plan_path), "--model", source]) == 2
+    line = _one_line_error(capsys)
+    assert "trains HF causal LMs" in line and "auto_pipeline" in line

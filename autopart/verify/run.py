@@ -78,12 +78,19 @@ def _check_model_matches(plan: Plan, model: str) -> None:
         model: A model source (preset, HF config path, ...).
 
     Raises:
-        RuntimeSetupError: ``model``'s block chain has another fingerprint.
+        RuntimeSetupError: ``model``'s block chain has another fingerprint, or it is not
+            an HF causal LM (verify trains on synthetic tokens with the next-token loss).
         ModelSourceError: ``model`` cannot be loaded.
     """
     from autopart.intake import discover_blocks, load_model
 
-    plan.check_model(discover_blocks(load_model(model).model).fingerprint, repr(model))
+    chain = discover_blocks(load_model(model).model)
+    plan.check_model(chain.fingerprint, repr(model))
+    if chain.family != "hf_causal_lm":
+        raise RuntimeSetupError(
+            f"autopart verify trains HF causal LMs on synthetic tokens with the next-token "
+            f"loss; {model!r} is not one: run the plan in your own script "
+            f"(auto_pipeline(model, plan=..., loss_fn=...)) and time its steps there")
 
 
 def _run_in_place(plan: Plan, settings: RunSettings,
