@@ -90,3 +90,20 @@ def test_the_pass_is_skipped_and_said_so_where_the_model_does_not_fit(monkeypatc
                         lambda *_, **__: pytest.fail("the pass ran"))
     prof = profile_model("tiny-llama", cache_flush="order", **FAST)
     assert "not in model order" in prof.setup.time_source
+
+
+def test_neighbours_load_the_machine_without_the_order_passes(monkeypatch):
+    from contextlib import contextmanager
+
+    hold_steady(monkeypatch)
+    seen = {}
+
+    @contextmanager
+    def record(source, count, threads, settings, work):
+        seen.update(settings)
+        yield
+
+    monkeypatch.setattr(profiler, "busy_neighbours", record)
+    prof = profile_model("tiny-llama", neighbours=1, **FAST)
+    assert "model order" in prof.setup.time_source  # this process ran them
+    assert seen["cache_flush"] == "model" and seen["neighbours"] == 0

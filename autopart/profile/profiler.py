@@ -118,6 +118,10 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                                seq_len)
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
+        if isinstance(engine, MeasuringEngine) and engine.backend.times_in_order:
+            # neighbours only load the machine: they skip the order passes, which would
+            # hold a whole model each
+            settings["cache_flush"] = "model"
         with busy_neighbours(source, neighbours, torch.get_num_threads(), settings,
                              profile_model):
             load_before = load_average()
