@@ -139,7 +139,7 @@ def print_report(report: RunReport, console: Console) -> None:
     meshed = report.tp_size * report.dp_size > 1
     for col in ("rank", *(("dp", "tp", "step meas") if meshed else ()), "mem pred",
                 "mem meas", "mem err", "busy pred", "busy meas", "idle pred", "wait meas",
-                "cpu meas", "optimizer"):
+                "outside meas", "cpu meas", "optimizer"):
         ranks.add_column(col, justify="right")
     for r in report.ranks:
         where = (str(r.dp_rank), str(r.tp_rank), f"{r.measured_step_ms:.1f}") if meshed else ()
@@ -148,8 +148,12 @@ def print_report(report: RunReport, console: Console) -> None:
                       _err(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes),
                       f"{r.predicted_busy_ms:.1f}", f"{r.measured_busy_ms:.1f}",
                       f"{r.predicted_idle_ms:.1f}", f"{r.measured_wait_ms:.1f}",
+                      "" if r.measured_outside_ms is None else f"{r.measured_outside_ms:.1f}",
                       f"{r.measured_cpu_ms:.1f}", f"{r.measured_optimizer_ms:.1f}")
     console.print(ranks)
+    console.print("outside: the rank's step less its actions and p2p waits (the schedule's "
+                  "own work: posting sends and receives); predicted inside busy",
+                  highlight=False)
     console.print(f"memory measured as: {report.memory_method}", highlight=False)
     console.print(f"step: predicted [bold]{report.predicted_step_ms:.1f} ms[/], measured "
                   f"[bold]{report.measured_step_ms:.1f} ms[/] (spread "

@@ -343,3 +343,21 @@ def test_calibration_leaves_what_stages_pay_outside_their_blocks(profile):
     for stage, measured in zip(again.stages, run.stages):
         assert stage.fwd_ms == pytest.approx(measured.measured_fwd_ms)
         assert stage.bwd_ms == pytest.approx(measured.measured_bwd_ms)
+
+
+def test_outside_is_the_step_less_actions_and_waits(report):
+    for rank in report.ranks:
+        assert rank.measured_outside_ms == pytest.approx(
+            max(rank.measured_step_ms - rank.measured_busy_ms - rank.measured_wait_ms, 0.0))
+    older = dataclasses.replace(report.ranks[0], measured_step_ms=0.0)
+    assert older.measured_outside_ms is None
+
+
+def test_the_rank_table_shows_outside(report, capsys):
+    from rich.console import Console
+
+    from cli.cmd_verify import print_report
+
+    print_report(report, Console(width=200))
+    out = capsys.readouterr().out
+    assert "outside meas" in out and "the rank's step less its actions and p2p waits" in out

@@ -114,6 +114,16 @@ class RankReport:
     measured_step_ms: float = 0.0
     """This rank's own pipeline step, median over the timed steps (0 in older reports)."""
 
+    @property
+    def measured_outside_ms(self) -> float | None:
+        """The rank's step less its actions and p2p waits: the schedule's own work between
+        actions (posting sends and receives, the loss bookkeeping); the prediction has it
+        inside busy (the machine check's per-action and per-p2p costs). ``None`` in older
+        reports without the rank's own step."""
+        if self.measured_step_ms <= 0:
+            return None
+        return max(self.measured_step_ms - self.measured_busy_ms - self.measured_wait_ms, 0.0)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunReport(JsonFile):
