@@ -59,14 +59,14 @@ def test_the_order_flush_times_like_the_model_flush_and_cuda_refuses_it():
 def test_the_profile_carries_the_in_order_forwards(monkeypatch):
     hold_steady(monkeypatch)
     seen = {}
-    real = profiler.in_order
+    real = order.in_order
 
     def spy(done, splits, timed):
         seen["timed"], seen["splits"] = timed, splits
         seen["out"] = real(done, splits, timed)
         return seen["out"]
 
-    monkeypatch.setattr(profiler, "in_order", spy)
+    monkeypatch.setattr(order, "in_order", spy)
     prof = profile_model("tiny-llama", cache_flush="order", **FAST)
     assert prof.setup.time_source.startswith("measured:")
     assert "forwards scaled to their times in model order" in prof.setup.time_source
@@ -85,8 +85,8 @@ def test_the_profile_carries_the_in_order_forwards(monkeypatch):
 
 def test_the_pass_is_skipped_and_said_so_where_the_model_does_not_fit(monkeypatch):
     hold_steady(monkeypatch)
-    monkeypatch.setattr(profiler, "fits_in_memory", lambda *_: False)
-    monkeypatch.setattr(profiler, "time_in_order",
+    monkeypatch.setattr(order, "fits_in_memory", lambda *_: False)
+    monkeypatch.setattr(order, "time_in_order",
                         lambda *_, **__: pytest.fail("the pass ran"))
     prof = profile_model("tiny-llama", cache_flush="order", **FAST)
     assert "not in model order" in prof.setup.time_source

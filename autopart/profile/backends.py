@@ -127,8 +127,7 @@ class CPUBackend(Backend):
         is allocated here (memory is tracked there)."""
         llc = 2 * last_level_cache_bytes()
         model = min(max(model_bytes, 0), llc)
-        sizes = {"llc": llc, "model": model, "order": model, "none": 0}
-        self.flush_bytes = sizes[self.flush]
+        self.flush_bytes = {"llc": llc, "model": model, "order": model, "none": 0}[self.flush]
         clock = ("time.thread_time (the thread's CPU time)" if self.clock == "thread"
                  else "time.perf_counter")
         sources = {

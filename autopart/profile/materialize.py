@@ -56,6 +56,11 @@ def materialize_block(module: nn.Module, device: torch.device, dtype: torch.dtyp
     return block
 
 
+def weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``module``'s parameters in ``dtype`` (tied weights once)."""
+    return param_bytes_and_count(module)[1] * dtype.itemsize
+
+
 def param_bytes_and_count(module: nn.Module) -> tuple[int, int]:
     """Bytes and number of the parameters of ``module`` (each shared parameter once)."""
     params = list(module.parameters())

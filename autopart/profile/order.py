@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from autopart.intake import BlockChain
-from autopart.profile.materialize import materialize_block
+from autopart.profile.engines import AnalyticalEngine, MeasuringEngine
+from autopart.profile.materialize import materialize_block, weight_bytes
 from autopart.profile.tasks import ForwardRunner, make_task
 
 __all__ = []
@@ -50,6 +51,42 @@ def fits_in_memory(weight_bytes: int, activation_bytes: int) -> bool:
     import psutil
 
     return weight_bytes + activation_bytes <= MEMORY_SHARE * psutil.virtual_memory().available
+
+
+class OrderPass:
+    """The profiler's second look at a model (``autopart.profile.profiler``): called with
+    its per-call figures, returns them scaled to their times in model order; ``note``
+    ends the profile's ``time_source`` (why the passes were skipped, if they were)."""
+
+    def __init__(self, model: nn.Module, chain: BlockChain, runner: ForwardRunner,
+                 dtype: torch.dtype, thread_clock: bool) -> None:
+        self.model, self.chain, self.runner = model, chain, runner
+        self.dtype, self.thread_clock = dtype, thread_clock
+        self.note = ""
+
+    def __call__(self, done: dict[int, tuple[Any, str]], splits: dict[int, int],
+                 outputs: dict[int, Any]) -> dict[int, tuple[Any, str]]:
+        """``in_order`` of ``time_in_order``, or ``done`` unchanged where the model does
+        not fit (``fits_in_memory``)."""
+        weights = weight_bytes(self.model, self.dtype)
+        activations = sum(c.figures.memory.activation_bytes for c, _ in done.values())
+        if not fits_in_memory(2 * weights, activations):  # weights and their grads
+            self.note = (f" (not in model order: the model's {weights / 2**30:.1f} GiB of "
+                         f"weights and its activations need more than a quarter of the "
+                         f"memory available)")
+            return done
+        timed = time_in_order(self.model, self.chain, self.runner, outputs, self.dtype,
+                              self.thread_clock)
+        return in_order(done, splits, timed)
+
+
+def order_pass(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
+               engine: MeasuringEngine | AnalyticalEngine,
+               dtype: torch.dtype) -> OrderPass | None:
+    """The order pass where ``engine``'s backend asks for it (the CPU ``order`` method)."""
+    if not (isinstance(engine, MeasuringEngine) and engine.backend.times_in_order):
+        return None
+    return OrderPass(model, chain, runner, dtype, engine.backend.clock == "thread")
 
 
 @dataclass(frozen=True, slots=True)

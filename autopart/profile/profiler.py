@@ -36,13 +36,13 @@ from autopart.profile.inner import (
     stream_bytes,
     with_crossing_bytes,
 )
-from autopart.profile.materialize import materialize_block, param_bytes_and_count
+from autopart.profile.materialize import materialize_block, param_bytes_and_count, weight_bytes
 from autopart.profile.model_info import model_info
 from autopart.profile.moe import expert_counter
 from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.options import ProfileOptions
-from autopart.profile.order import fits_in_memory, in_order, time_in_order
+from autopart.profile.order import OrderPass, order_pass
 from autopart.profile.slice_checks import SliceChecks
 from autopart.profile.tasks import ForwardRunner, make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
@@ -110,7 +110,7 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                          opts.clock)
     torch_dtype = TORCH_DTYPES[dtype]
     if isinstance(engine, MeasuringEngine):
-        engine.backend.size_flush(_weight_bytes(model, torch_dtype))
+        engine.backend.size_flush(weight_bytes(model, torch_dtype))
     fork = [engine.device.index or 0] if engine.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):
         torch.manual_seed(0)
@@ -118,7 +118,8 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                                seq_len)
         if isinstance(engine, MeasuringEngine):
             engine.dtype = torch_dtype
-        if isinstance(engine, MeasuringEngine) and engine.backend.times_in_order:
+        order = order_pass(model, chain, runner, engine, torch_dtype)
+        if order is not None:
             # neighbours only load the machine: they skip the order passes, which would
             # hold a whole model each
             settings["cache_flush"] = "model"
@@ -126,7 +127,6 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
                              profile_model):
             load_before = load_average()
             slices = SliceChecks(model, chain) if chain.granularity != "layer" else None
-            order = _order_pass(model, chain, runner, engine, torch_dtype)
             blocks, outputs = _profile_blocks(model, chain, runner, engine, backend, dtype,
                                               progress, slices, order)
             timed_glue = (isinstance(engine, MeasuringEngine)
@@ -158,11 +158,6 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
     return Profile(model=info, setup=setup, blocks=tuple(blocks))
 
 
-def _weight_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """The model's parameter bytes in ``dtype`` (tied weights once), for sizing the flush."""
-    return param_bytes_and_count(model)[1] * torch.empty((), dtype=dtype).element_size()
-
-
 def _device_memory_bytes(engine: _Engine) -> int:
     """The profiled device's memory (``ProfileSetup.device_memory_bytes``; 0: unknown)."""
     if isinstance(engine, AnalyticalEngine):
@@ -190,7 +185,7 @@ def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: s
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                     engine: _Engine, backend: str, dtype: str,
                     progress: ProgressFn | None, slices: SliceChecks | None = None,
-                    order: _OrderPass | None = None
+                    order: OrderPass | None = None
                     ) -> tuple[list[BlockProfile], dict[int, Any]]:
     """Watch the forward: measure each new kind of call, reuse identical ones; the blocks'
     profiles and every call's output (as the model's code saw it). With ``order``, the
@@ -262,38 +257,6 @@ def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                                first_of[tuple(done[c][1] for c in block.calls)])
                 for block in chain.blocks]
     return with_crossing_bytes(chain, profiles, crossing), outputs
-
-
-class _OrderPass:
-    """The CPU ``order`` method's second look: forwards timed in model order
-    (``autopart.profile.order``); ``note`` ends the profile's ``time_source``."""
-
-    def __init__(self, model: nn.Module, chain: BlockChain, runner: ForwardRunner,
-                 dtype: torch.dtype, thread_clock: bool) -> None:
-        self.model, self.chain, self.runner = model, chain, runner
-        self.dtype, self.thread_clock = dtype, thread_clock
-        self.note = ""
-
-    def __call__(self, done: dict[int, tuple[_CallFigures, str]], splits: dict[int, int],
-                 outputs: dict[int, Any]) -> dict[int, tuple[_CallFigures, str]]:
-        weights = _weight_bytes(self.model, self.dtype)
-        activations = sum(c.figures.memory.activation_bytes for c, _ in done.values())
-        if not fits_in_memory(2 * weights, activations):  # weights and their grads
-            self.note = (f" (not in model order: the model's {weights / 2**30:.1f} GiB of "
-                         f"weights and its activations need more than a quarter of the "
-                         f"memory available)")
-            return done
-        timed = time_in_order(self.model, self.chain, self.runner, outputs, self.dtype,
-                              self.thread_clock)
-        return in_order(done, splits, timed)
-
-
-def _order_pass(model: nn.Module, chain: BlockChain, runner: ForwardRunner, engine: _Engine,
-                dtype: torch.dtype) -> _OrderPass | None:
-    """The order pass where the backend asks for it (the CPU ``order`` method)."""
-    if not (isinstance(engine, MeasuringEngine) and engine.backend.times_in_order):
-        return None
-    return _OrderPass(model, chain, runner, dtype, engine.backend.clock == "thread")
 
 
 @dataclass(frozen=True, slots=True)
