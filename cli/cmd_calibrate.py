@@ -80,9 +80,13 @@ def _run_machine(args: argparse.Namespace) -> int:
         f"pipeline runtime on {overhead.hostname} ({overhead.backend}, {threads} thread(s)/rank, "
         f"load average {overhead.load_average:.2f}): per F {overhead.fwd_action_ms:.3f} ms, "
         f"per B {overhead.bwd_action_ms:.3f} ms, per send/recv {overhead.p2p_ms:.3f} ms, "
-        f"per step {overhead.step_ms:.3f} ms; link latency "
+        f"per step {overhead.step_ms:.3f} ms; under the multi-stage schedules' runtime per "
+        f"send/recv {overhead.runtime_p2p_ms:.3f} ms; link latency "
         f"{1e3 * overhead.link_latency_ms:.0f} us, bandwidth "
-        f"{overhead.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s", highlight=False, soft_wrap=True)
+        f"{overhead.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s; gradient all-reduce "
+        f"{overhead.allreduce_latency_ms:.2f} ms + "
+        f"{overhead.allreduce_bandwidth_bytes_per_s / 1e9:.2f} GB/s", highlight=False,
+        soft_wrap=True)
     console.print(f"machine check written to {path}; `autopart profile` records it in the "
                   f"profiles it takes at {threads} thread(s)", highlight=False, soft_wrap=True)
     return 0

@@ -172,7 +172,8 @@ def _print_machine_check(profile: Profile, console: Console) -> None:
         return
     console.print(f"runtime overhead (machine check of {check.measured_at}, {check.num_threads} "
                   f"thread(s)): F +{check.fwd_action_ms:.3f} ms, B +{check.bwd_action_ms:.3f} ms, "
-                  f"send/recv +{check.p2p_ms:.3f} ms, step +{check.step_ms:.3f} ms",
+                  f"send/recv +{check.p2p_ms:.3f} ms (multi-stage schedules "
+                  f"+{check.runtime_p2p_ms:.3f} ms), step +{check.step_ms:.3f} ms",
                   soft_wrap=True, highlight=False)
 
 

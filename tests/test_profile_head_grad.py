@@ -16,7 +16,7 @@ from autopart.cost.stage import StageCost, stage_cost
 from autopart.levels import split_head
 from autopart.profile.devices import load_device_spec
 from autopart.profile.head_grad import estimate_head_grad_ms, measure_head_grad_ms
-from autopart.schema import TrainingSetup
+from autopart.schema import RuntimeOverhead, TrainingSetup
 from autopart.solve.choices import Choice, choice_notes
 
 
@@ -78,3 +78,21 @@ def test_shared_gradient_sum_is_a_ring_all_reduce_over_its_holders():
                                setup) == pytest.approx(0.46667, rel=1e-4)
     assert shared_grad_sync_ms(costs, [1, 0, 1], setup) == 0.0
     assert shared_grad_sync_ms([_stage(False)] * 3, [0, 1, 2], setup) == 0.0
+
+
+def test_shared_gradient_sum_at_the_measured_all_reduce_speed():
+    """The machine check timed the all-reduce (2 ms fixed, 1 GB/s): on its own link the
+    16 MB gradient takes 2 + 16 ms between two holders (3 holders: 4 ring steps of 1 ms
+    + 4/3 * 16 ms); on a link given by the user, the link's figures as before."""
+    check = RuntimeOverhead(fwd_action_ms=0.0, bwd_action_ms=0.0, p2p_ms=0.0, step_ms=0.0,
+                            link_latency_ms=0.01, link_bandwidth_bytes_per_s=50e9,
+                            backend="gloo", num_threads=1, allreduce_latency_ms=2.0,
+                            allreduce_bandwidth_bytes_per_s=1e9)
+    setup = TrainingSetup(pp_size=3, num_microbatches=4, link_bandwidth_bytes_per_s=50e9,
+                          link_latency_ms=0.01, runtime_overhead=check)
+    costs = [_stage(True), _stage(False), _stage(True)]
+    assert shared_grad_sync_ms(costs, [0, 1, 2], setup) == pytest.approx(18.0)
+    assert shared_grad_sync_ms([_stage(True)] * 3, [0, 1, 2],
+                               setup) == pytest.approx(4.0 + 64 / 3)
+    given = dataclasses.replace(setup, link_bandwidth_bytes_per_s=25e9)
+    assert shared_grad_sync_ms(costs, [0, 1, 2], given) == pytest.approx(0.02 + 0.64)

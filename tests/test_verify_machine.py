@@ -14,6 +14,7 @@ import pytest
 from solve_helpers import llama_like, make_block, make_profile
 
 from autopart.cost.blocks import block_arrays
+from autopart.cost.rank import post_charges_ms
 from autopart.cost.stage import stage_cost
 from autopart.errors import SchemaError
 from autopart.schema import Plan, Profile, RuntimeOverhead, TrainingSetup
@@ -113,6 +114,59 @@ def test_fit_splits_rest_into_p2p_and_step():
     assert loaded.link_bandwidth_bytes_per_s == out.link_bandwidth_bytes_per_s
 
 
+def test_fit_runtime_posts_and_all_reduce():
+    """Rest 5 ms at 24 posts, 11 ms at 48 -> 0.25 ms per post; all-reduce 4 MiB in 4 ms,
+    32 MiB in 25 ms -> 28 MiB per 21 ms, the 4 MiB taking 3 ms of it -> 1 ms fixed."""
+    runtime = {"4": {"rest": [5.0], "posts": 24}, "8": {"rest": [11.0], "posts": 48}}
+    rank = {"runtime": runtime, "allreduce": {"4": 4.0, "32": 25.0}}
+    posts, latency, bandwidth = machine.fit_runtime([rank, rank])
+    assert posts == pytest.approx(0.25)
+    assert bandwidth == pytest.approx(28 * 2**20 / 21e-3)
+    assert latency == pytest.approx(1.0)
+    old = {"fwd": [0.3], "bwd": [0.5], "rest": {"2": [3.0], "8": [6.0]}, "module_fwd": 0.1,
+           "module_bwd": 0.2, "link": {"small_ms": 0.05, "large_ms": 2.05,
+                                       "large_bytes": 4 * 2**20}}
+    assert machine._fit([old, old], "gloo", 1, 0.5).runtime_p2p_ms == 0.0  # not measured
+    both = machine._fit([{**old, **rank}] * 2, "gloo", 1, 0.5)
+    assert both.runtime_p2p_ms == pytest.approx(0.25)
+    assert both.allreduce_latency_ms == pytest.approx(1.0)
+
+
+RUNTIME = dataclasses.replace(OVERHEAD, runtime_p2p_ms=0.5)
+
+
+def test_post_charges_follow_the_runtime_posts():
+    """0.5 ms per post under the action runtime, 0.125 per cut already in the stage
+    cost: interleaved (ranks 0 1 0 1) posts at every cut; ZBV (ranks 0 1 1 0) posts
+    nothing between stages 1 and 2 (one rank); single-stage schedules charge nothing."""
+    setup = TrainingSetup(pp_size=2, num_microbatches=4, runtime_overhead=RUNTIME)
+    assert post_charges_ms(setup, "interleaved-1f1b", 2, 2) == pytest.approx(
+        [0.375, 0.75, 0.75, 0.375])
+    assert post_charges_ms(setup, "zbv", 2, 2) == pytest.approx([0.375, 0.25, 0.25, 0.375])
+    assert post_charges_ms(setup, "1f1b", 2, 1) is None
+    old = TrainingSetup(pp_size=2, num_microbatches=4, runtime_overhead=OVERHEAD)
+    assert post_charges_ms(old, "interleaved-1f1b", 2, 2) is None
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_runtime_posts_lengthen_multi_stage_steps_only(schedule):
+    """The same cuts predicted with and without the runtime's post price: a multi-stage
+    step grows (by at most every post of the busiest rank), 1F1B's does not move, and
+    the replayed plan (events) agrees with the planner's figure (levels)."""
+    base = dataclasses.replace(llama_like(8), runtime_overhead=OVERHEAD)
+    priced = dataclasses.replace(base, runtime_overhead=RUNTIME)
+    plain = make_plan(base, pp_size=2, num_microbatches=4, schedule=schedule,
+                      virtual_stages=2)
+    plan = make_plan(priced, pp_size=2, num_microbatches=4, schedule=schedule,
+                     virtual_stages=2, cuts=tuple(plain.pipeline_cuts))
+    assert plain.predicted_step_ms < plan.predicted_step_ms <= plain.predicted_step_ms + 24 * 0.5
+    assert simulate_plan(plan).step_ms == pytest.approx(plan.predicted_step_ms)
+    one = make_plan(base, pp_size=2, num_microbatches=4, schedule="1f1b", virtual_stages=1)
+    again = make_plan(priced, pp_size=2, num_microbatches=4, schedule="1f1b",
+                      virtual_stages=1, cuts=tuple(one.pipeline_cuts))
+    assert again.predicted_step_ms == pytest.approx(one.predicted_step_ms)
+
+
 def test_cache_round_trip(tmp_path):
     path = machine.save_cached_overhead(OVERHEAD, root=tmp_path)
     assert path.name.endswith(f"-gloo-1t-v{machine.CHECK_VERSION}.json")
@@ -146,6 +200,8 @@ def test_check_machine_runs_for_real():
     assert out.backend == "gloo" and out.num_threads == 1
     assert 0 <= out.fwd_action_ms < 50 and 0 <= out.bwd_action_ms < 50
     assert out.link_bandwidth_bytes_per_s > 0 and out.link_latency_ms > 0
+    assert 0 < out.runtime_p2p_ms < 50  # the action runtime's posts, stages computing
+    assert out.allreduce_bandwidth_bytes_per_s > 0 and out.allreduce_latency_ms >= 0
 
 
 def test_every_stage_forward_carries_the_model_glue():

@@ -3,7 +3,8 @@
 ``autopart.cost.stage`` prices one stage from its blocks; this module adds what only a
 rank or a whole step has: the static memory of a rank holding several stages (a
 module held whole counted once), torch's receive buffers, the runtime's fixed work per
-step, and the per-step sum of the gradients of modules held on several ranks.
+step, what torch's action runtime charges per send and receive (``post_charges_ms``),
+and the per-step sum of the gradients of modules held on several ranks.
 ``stage_costs_of_plan`` rebuilds the stages' costs recorded in a plan.
 """
 
@@ -13,9 +14,10 @@ from collections.abc import Sequence
 
 from autopart.cost.blocks import static_bytes_per_param
 from autopart.cost.stage import StageCost
+from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import DTYPE_BYTES, Plan, TrainingSetup
 
-__all__ = ["rank_static_bytes", "recv_buffer_bytes", "shared_grad_sync_ms",
+__all__ = ["post_charges_ms", "rank_static_bytes", "recv_buffer_bytes", "shared_grad_sync_ms",
            "stage_costs_of_plan", "step_overhead_ms"]
 
 
@@ -46,6 +48,41 @@ def step_overhead_ms(setup: TrainingSetup) -> float:
     """The runtime's fixed work per step (``RuntimeOverhead.step_ms``; 0 without a check)."""
     overhead = setup.runtime_overhead
     return overhead.step_ms if overhead is not None else 0.0
+
+
+def post_charges_ms(setup: TrainingSetup, schedule: str, pp_size: int,
+                    virtual_stages: int) -> list[float] | None:
+    """Per stage, the ms to add to each F and to each B under torch's action runtime.
+
+    ``StageCost`` charges every F and B the 1F1B check's ``p2p_ms`` per cut next to the
+    stage. The multi-stage schedules run on ``_PipelineScheduleRuntime``, which posts
+    every send and receive as an action of its own, at ``runtime_p2p_ms`` each (the
+    machine check, ``autopart.verify.machine_runtime``), and posts nothing between two
+    stages of one rank (a V schedule's turn). The charge is the difference: the stage's
+    posts at the runtime's price less its cuts at the 1F1B price.
+
+    Args:
+        setup: Its ``runtime_overhead`` (the machine check).
+        schedule: The schedule's name.
+        pp_size: Pipeline ranks.
+        virtual_stages: Stages per rank.
+
+    Returns:
+        One figure per stage, or ``None`` when nothing changes (a single-stage schedule,
+        no check, or a check without the runtime's figure).
+    """
+    overhead = setup.runtime_overhead
+    info = schedule_info(schedule)
+    if overhead is None or not overhead.runtime_p2p_ms or not info.multi_stage:
+        return None
+    num = pp_size * virtual_stages
+    ranks = [stage_to_rank(s, pp_size, virtual_stages, info.style) for s in range(num)]
+    charges = []
+    for s in range(num):
+        cuts = [t for t in (s - 1, s + 1) if 0 <= t < num]
+        posts = sum(ranks[t] != ranks[s] for t in cuts)
+        charges.append(overhead.runtime_p2p_ms * posts - overhead.p2p_ms * len(cuts))
+    return charges
 
 
 def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
@@ -83,10 +120,20 @@ def shared_grad_sync_ms(costs: Sequence[StageCost], stage_ranks: Sequence[int],
 
 
 def _ring_ms(static_bytes: int, num: int, setup: TrainingSetup) -> float:
-    """All-reduce of the gradient of a weight of ``static_bytes`` over ``num`` ranks."""
+    """All-reduce of the gradient of a weight of ``static_bytes`` over ``num`` ranks.
+
+    On the machine check's own link, at the all-reduce's measured speed (two ranks: its
+    fixed ms is two ring steps); on any other link (given, or no check), at the link's.
+    """
     grad_bytes = static_bytes / static_bytes_per_param(setup) * DTYPE_BYTES[setup.grad_dtype]
     moved = 2 * (num - 1) / num * grad_bytes
-    return 2 * (num - 1) * setup.link_latency_ms + 1e3 * moved / setup.link_bandwidth_bytes_per_s
+    steps = 2 * (num - 1)
+    check = setup.runtime_overhead
+    if (check is not None and check.allreduce_bandwidth_bytes_per_s > 0
+            and setup.link_bandwidth_bytes_per_s == check.link_bandwidth_bytes_per_s):
+        return (steps * check.allreduce_latency_ms / 2
+                + 1e3 * moved / check.allreduce_bandwidth_bytes_per_s)
+    return steps * setup.link_latency_ms + 1e3 * moved / setup.link_bandwidth_bytes_per_s
 
 
 def stage_costs_of_plan(plan: Plan) -> list[StageCost]:

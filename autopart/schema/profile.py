@@ -251,9 +251,22 @@ class RuntimeOverhead:
     """UTC time of the check (ISO 8601)."""
     load_average: float = 0.0
     """1-minute load average when the check started."""
+    runtime_p2p_ms: float = 0.0
+    """Per send or receive posted by torch's action runtime (``_PipelineScheduleRuntime``:
+    every multi-stage schedule), which posts each as its own action, measured with stages
+    that compute: the runtime's bookkeeping per action and the posts that wait for a core
+    held by the other rank's compute. 0: not measured (a check before version 3); such
+    schedules are then charged ``p2p_ms``."""
+    allreduce_latency_ms: float = 0.0
+    """Fixed ms of one all-reduce of a gradient between the two ranks (flatten, sum, copy
+    back, as the runtime sums a weight held on several ranks)."""
+    allreduce_bandwidth_bytes_per_s: float = 0.0
+    """Gradient bytes per second that all-reduce sums between the two ranks, beyond its
+    fixed ms. 0: not measured; the sums are then priced on the link."""
 
     def __post_init__(self) -> None:
-        for name in ("fwd_action_ms", "bwd_action_ms", "p2p_ms", "step_ms", "link_latency_ms"):
+        for name in ("fwd_action_ms", "bwd_action_ms", "p2p_ms", "step_ms", "link_latency_ms",
+                     "runtime_p2p_ms", "allreduce_latency_ms", "allreduce_bandwidth_bytes_per_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise SchemaError(f"runtime overhead {name} = {value!r}, expected a finite "

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopart.cost.rank import rank_static_bytes, recv_buffer_bytes
+from autopart.cost.rank import post_charges_ms, rank_static_bytes, recv_buffer_bytes
 from autopart.cost.stage import StageCost, comm_ms
 from autopart.errors import PlanError
 from autopart.schedules import schedule_info
@@ -106,7 +106,8 @@ def simulate(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
     with paused_gc():
         plan = compiled_plan(schedule, pp_size, virtual_stages, num_microbatches)
         events: list[tuple] = []
-        busy, step_ms = run_compiled(plan, _durations(stage_costs, info.split_backward),
+        charges = post_charges_ms(setup, schedule, pp_size, virtual_stages)
+        busy, step_ms = run_compiled(plan, _durations(stage_costs, info.split_backward, charges),
                                      _comm_times(stage_costs, setup), pp_size * virtual_stages,
                                      num_microbatches, events)
         return _result(stage_costs, schedule, pp_size, virtual_stages, num_microbatches,
@@ -128,9 +129,11 @@ def simulate_batch(batch: Sequence[Sequence[StageCost]], *, schedule: str, pp_si
     if not batch:
         return []
     split = schedule_info(schedule).split_backward
+    charges = post_charges_ms(setup, schedule, pp_size, virtual_stages)
     with paused_gc():
         levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
-        table = np.stack([duration_table(costs, split, setup) for costs in batch], axis=1)
+        table = np.stack([duration_table(costs, split, setup, charges) for costs in batch],
+                         axis=1)
         busy, step = levels.run(table)
         return [_result(costs, schedule, pp_size, virtual_stages, num_microbatches,
                         busy[:, k].tolist(), float(step[k]), None)
@@ -138,24 +141,28 @@ def simulate_batch(batch: Sequence[Sequence[StageCost]], *, schedule: str, pp_si
 
 
 def duration_table(stage_costs: Sequence[StageCost], split_backward: bool,
-                   setup: TrainingSetup) -> np.ndarray:
+                   setup: TrainingSetup, charges: Sequence[float] | None = None) -> np.ndarray:
     """The recurrences' durations of one split: per stage F, B, W, then the activation
-    send and the gradient send, as ``5 * num_stages`` values (``levels.py``)."""
-    rows = (*_durations(stage_costs, split_backward), *_comm_times(stage_costs, setup))
+    send and the gradient send, as ``5 * num_stages`` values (``levels.py``); ``charges``:
+    the schedule's per-stage ms on each F and B (``rank_cost.post_charges_ms``)."""
+    rows = (*_durations(stage_costs, split_backward, charges), *_comm_times(stage_costs, setup))
     return np.array([x for row in rows for x in row], dtype=np.float64)
 
 
 def updated_duration_table(table: np.ndarray, stage_costs: Sequence[StageCost],
                            stages: Sequence[int], split_backward: bool,
-                           setup: TrainingSetup) -> np.ndarray:
+                           setup: TrainingSetup, charges: Sequence[float] | None = None
+                           ) -> np.ndarray:
     """``duration_table(stage_costs, ...)`` from another split's ``table`` when only
     ``stages`` changed: their rows (and the next stage's gradient send) are rewritten."""
     out = table.copy()
     num = len(stage_costs)
     for s in stages:
         sc = stage_costs[s]
-        out[s] = sc.fwd_ms
-        out[num + s] = sc.bwd_input_ms if split_backward else sc.bwd_input_ms + sc.bwd_weight_ms
+        extra = charges[s] if charges is not None else 0.0
+        out[s] = sc.fwd_ms + extra
+        out[num + s] = extra + (sc.bwd_input_ms if split_backward
+                                else sc.bwd_input_ms + sc.bwd_weight_ms)
         out[2 * num + s] = sc.bwd_weight_ms if split_backward else 0.0
         out[3 * num + s] = comm_ms(sc.output_bytes, setup)
         if s + 1 < num:
@@ -175,9 +182,10 @@ def critical_counts(stage_costs: Sequence[StageCost], *, schedule: str, pp_size:
     """
     _check_costs(stage_costs, pp_size, virtual_stages)
     split = schedule_info(schedule).split_backward
+    charges = post_charges_ms(setup, schedule, pp_size, virtual_stages)
     with paused_gc():
         levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
-        return levels.critical_counts(duration_table(stage_costs, split, setup))
+        return levels.critical_counts(duration_table(stage_costs, split, setup, charges))
 
 
 def _check_costs(stage_costs: Sequence[StageCost], pp_size: int, virtual_stages: int) -> None:
@@ -210,13 +218,18 @@ def _result(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
     )
 
 
-def _durations(stage_costs: Sequence[StageCost], split: bool) -> tuple[list[float], ...]:
-    """Per kind (F, B, W), per stage duration; a non-split ``B`` is the full backward."""
-    fwd = [sc.fwd_ms for sc in stage_costs]
+def _durations(stage_costs: Sequence[StageCost], split: bool,
+               charges: Sequence[float] | None = None) -> tuple[list[float], ...]:
+    """Per kind (F, B, W), per stage duration; a non-split ``B`` is the full backward;
+    ``charges``: per stage ms added to its F and its B (the sends and receives they post
+    under torch's action runtime, ``rank_cost.post_charges_ms``)."""
+    extra = charges if charges is not None else [0.0] * len(stage_costs)
+    fwd = [sc.fwd_ms + x for sc, x in zip(stage_costs, extra)]
     if split:
-        return fwd, [sc.bwd_input_ms for sc in stage_costs], [sc.bwd_weight_ms
-                                                               for sc in stage_costs]
-    return fwd, [sc.bwd_input_ms + sc.bwd_weight_ms for sc in stage_costs], [0.0] * len(fwd)
+        return fwd, [sc.bwd_input_ms + x for sc, x in zip(stage_costs, extra)], \
+            [sc.bwd_weight_ms for sc in stage_costs]
+    return (fwd, [sc.bwd_input_ms + sc.bwd_weight_ms + x for sc, x in zip(stage_costs, extra)],
+            [0.0] * len(fwd))
 
 
 def _comm_times(stage_costs: Sequence[StageCost], setup: TrainingSetup) -> list[list[float]]:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from autopart.cost.blocks import BlockArrays, block_arrays
+from autopart.cost.rank import post_charges_ms
 from autopart.cost.stage import StageCost, stage_cost
 from autopart.errors import PlanError, SchemaError
 from autopart.levels import stage_ends
@@ -118,8 +119,10 @@ class ConfigJudge:
                                  num_microbatches=config.num_microbatches,
                                  setup=self.setting.setup)
         split = schedule_info(config.schedule).split_backward
-        table = duration_table(current.stage_costs, split, self.setting.setup)
-        return PathBound(self, current, counts, table, split)
+        charges = post_charges_ms(self.setting.setup, config.schedule, config.pp_size,
+                                  config.virtual_stages)
+        table = duration_table(current.stage_costs, split, self.setting.setup, charges)
+        return PathBound(self, current, counts, table, split, charges)
 
     def cost(self, first: int, stop: int, recompute: bool) -> StageCost:
         """The (cached) cost of the stage holding blocks ``first .. stop - 1``."""
@@ -145,6 +148,8 @@ class PathBound:
     """The current split's duration table."""
     split_backward: bool
     """B and W run apart in this schedule."""
+    charges: list[float] | None
+    """The schedule's per-stage ms on each F and B (``rank_cost.post_charges_ms``)."""
 
     def __call__(self, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool]) -> float:
         """The path's length under another split's durations (a lower bound on its
@@ -156,7 +161,7 @@ class PathBound:
         for s in changed:
             costs[s] = self.judge.cost(*bounds[s], recompute[s])
         table = updated_duration_table(self.table, costs, changed, self.split_backward,
-                                       self.judge.setting.setup)
+                                       self.judge.setting.setup, self.charges)
         return float(self.counts @ table)
 
 

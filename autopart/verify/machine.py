@@ -11,7 +11,9 @@ is otherwise the fixed work per step. A ping-pong then measures the link's
 latency (4-byte messages) and bandwidth (4 MiB); on CPU the latency is the mean while
 the other rank keeps a core busy, as in a pipeline (gloo's threads then wait for a core:
 0.58 ms against 0.09 ms idle on this project's 2-core VM, a tail of scheduler slices).
-The result, a ``RuntimeOverhead``,
+Two more runs (``autopart.verify.machine_runtime``) time what torch's action runtime
+(every multi-stage schedule) spends per send or receive with stages that compute, and
+the all-reduce that sums a gradient held on both ranks. The result, a ``RuntimeOverhead``,
 is cached under ``~/.cache/autopart`` per host, torch version, backend and thread
 count, and ``autopart profile`` records it in the profiles it takes there.
 
@@ -29,7 +31,6 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -40,13 +41,21 @@ import torch.distributed as dist
 from autopart.errors import RuntimeSetupError, SchemaError
 from autopart.jsonio import dump_json, write_text
 from autopart.schema import Profile, RuntimeOverhead
+from autopart.verify.machine_runtime import (
+    all_reduce_times,
+    fit_runtime,
+    runtime_post_times,
+    sync,
+    timed_method,
+)
 
 __all__ = ["check_machine", "load_cached_overhead", "machine_check_for", "round_trips",
            "save_cached_overhead"]
 
-CHECK_VERSION = 2
+CHECK_VERSION = 3
 """What the check measures; a cached check of another version is not used (2: the link's
-latency beside a busy core on CPU)."""
+latency beside a busy core on CPU; 3: the action runtime's posts and the gradient sum,
+``autopart.verify.machine_runtime``)."""
 
 _WIDTH = 16
 _COUNTS = (2, 8)
@@ -106,13 +115,17 @@ def _fit(raw: list[dict[str, Any]], backend: str, num_threads: int,
     # threads then wait for a core (a heavy tail, up to a scheduler slice), so the link's
     # latency is the mean of messages sent beside a busy core, not the idle median
     latency = link.get("busy_small_ms", link["small_ms"])
+    runtime_p2p, allreduce_latency, allreduce_bandwidth = (
+        fit_runtime(raw) if "runtime" in raw[0] else (0.0, 0.0, 0.0))
     return RuntimeOverhead(
         fwd_action_ms=round(max(fwd, 0.0), 4), bwd_action_ms=round(max(bwd, 0.0), 4),
         p2p_ms=round(p2p, 4), step_ms=round(step, 4), link_latency_ms=round(latency, 4),
         link_bandwidth_bytes_per_s=float(f"{bandwidth:.4g}"), backend=backend,
         num_threads=num_threads, hostname=platform.node(), torch_version=torch.__version__,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        load_average=round(load, 2))
+        load_average=round(load, 2), runtime_p2p_ms=round(runtime_p2p, 4),
+        allreduce_latency_ms=round(allreduce_latency, 4),
+        allreduce_bandwidth_bytes_per_s=float(f"{allreduce_bandwidth:.4g}"))
 
 
 def _rank_main(rank: int, port: int, tmp: str, backend: str, num_threads: int,
@@ -135,6 +148,8 @@ def _rank_main(rank: int, port: int, tmp: str, backend: str, num_threads: int,
             out["fwd"] += times["fwd"]
             out["bwd"] += times["bwd"]
             out["rest"][str(m)] = times["rest"]
+        out["runtime"] = runtime_post_times(rank, device, num_steps, num_warmup)
+        out["allreduce"] = all_reduce_times(device)
         out["link"] = _ping_pong(rank, device)
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
@@ -150,7 +165,7 @@ def _module_ms(layer: torch.nn.Module, device: torch.device) -> tuple[float, flo
         y = layer(x)
         mid = time.perf_counter()
         y.sum().backward()
-        _sync(device)
+        sync(device)
         fwd.append(mid - start)
         bwd.append(time.perf_counter() - mid)
     return 1e3 * statistics.median(fwd), 1e3 * statistics.median(bwd)
@@ -165,9 +180,9 @@ def _pipeline_times(rank: int, layer: torch.nn.Module, device: torch.device, m: 
     stage = PipelineStage(layer, rank, 2, device)
     schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.pow(2).mean())
     spans: dict[str, list[float]] = {"F": [], "B": [], "WAIT": []}
-    restore = [_timed(stage, "forward_one_chunk", spans["F"]),
-               _timed(stage, "backward_one_chunk", spans["B"]),
-               _timed(torch_schedules, "_wait_batch_p2p", spans["WAIT"])]
+    restore = [timed_method(stage, "forward_one_chunk", spans["F"]),
+               timed_method(stage, "backward_one_chunk", spans["B"]),
+               timed_method(torch_schedules, "_wait_batch_p2p", spans["WAIT"])]
     x = torch.randn(m, _WIDTH, device=device)
     result: dict[str, list[float]] = {"fwd": [], "bwd": [], "rest": []}
     try:
@@ -180,7 +195,7 @@ def _pipeline_times(rank: int, layer: torch.nn.Module, device: torch.device, m: 
                 schedule.step(x)
             else:
                 schedule.step(target=x)
-            _sync(device)
+            sync(device)
             total = 1e3 * (time.perf_counter() - start)
             if step >= num_warmup:
                 result["fwd"] += spans["F"]
@@ -191,28 +206,6 @@ def _pipeline_times(rank: int, layer: torch.nn.Module, device: torch.device, m: 
         for undo in restore:
             undo()
     return result
-
-
-def _timed(owner: Any, name: str, into: list[float]) -> Callable[[], None]:
-    """Wrap ``owner.name`` to append each call's ms to ``into``; return the undo."""
-    original = getattr(owner, name)
-    own = owner.__dict__.get(name) if hasattr(owner, "__dict__") else None
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            into.append(1e3 * (time.perf_counter() - start))
-
-    setattr(owner, name, timed)
-
-    def undo() -> None:
-        if own is None:
-            delattr(owner, name)  # the class's method shows through again
-        else:
-            setattr(owner, name, own)
-    return undo
 
 
 def _ping_pong(rank: int, device: torch.device) -> dict[str, float]:
@@ -250,7 +243,7 @@ def round_trips(rank: int, buf: torch.Tensor, reps: int) -> list[float]:
         else:
             dist.recv(buf, 0)
             dist.send(buf, 0)
-        _sync(buf.device)
+        sync(buf.device)
         times.append(1e3 * (time.perf_counter() - start) / 2)
     return times
 
@@ -322,11 +315,6 @@ def machine_check_for(profile: Profile, root: Path | None = None) -> RuntimeOver
         return None
     return load_cached_overhead(backend, profile.setup.num_threads or torch.get_num_threads(),
                                 root)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free_port() -> int:
