@@ -16,6 +16,8 @@ formula that splits), since the block is a sum over them:
   the hidden state and two float32 values per position (running log-sum-exp, target
   logit). A shard keeps no weight gradient in its workspace: the runtime adds its rows
   into one dense gradient per rank, zero-filled once per step (``ProfileSetup.head_grad_ms``).
+  Their memory is not the measured head's (the model's own loss) but the runtime's
+  sliced loss, computed from the shapes (``_sliced_loss_bytes``).
 
 Fusing and deriving keep totals: the parts of a block sum to it (integers rounded at both
 ends), and fusing a level's parts gives back the coarser block.
@@ -27,7 +29,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from autopart.schema import BlockProfile, Part, Profile
+from autopart.schema import DTYPE_BYTES, BlockProfile, Part, Profile
 from autopart.schema.parts import LEVELS, derived_name
 
 __all__ = ["MAX_SLICES", "at_level", "coarsen", "coarsen_blocks", "fuse", "num_shards",
@@ -288,14 +290,38 @@ def split_head(profile: Profile, count: int) -> Profile:
     if count < 2 or not rows or head.kind != "head" or head.parts or len(profile.blocks) < 2:
         return profile
     setup = profile.setup
-    carry = _CARRY_VALUES * 4 * setup.micro_batch_size * max(setup.seq_len - 1, 1)
+    positions = setup.micro_batch_size * max(setup.seq_len - 1, 1)
+    carry = _CARRY_VALUES * 4 * positions
     hidden = profile.blocks[-2].output_bytes
     count = min(count, rows)
+    per_token = hidden // max(setup.seq_len * setup.micro_batch_size, 1)
+    head = dataclasses.replace(head, **_sliced_loss_bytes(rows, positions, setup.dtype,
+                                                          per_token))
     shards = [part_of(head, Part(module=head.name, axis="vocab", index=k, count=count), rows,
                       output_bytes=head.output_bytes if k == count - 1 else hidden + carry,
                       adopted=False)
               for k in range(count)]
     return dataclasses.replace(profile, blocks=(*profile.blocks[:-1], *shards))
+
+
+def _sliced_loss_bytes(rows: int, positions: int, dtype: str,
+                       token_bytes: int) -> dict[str, int]:
+    """The memory of the whole head run as the runtime runs its shards, from the shapes.
+
+    The profile measured the head with the model's own loss (cross entropy over the
+    logits, upcast to float32 in HF); shards run ``head_shards._SliceLoss`` instead. Per
+    microbatch a slice holds its ``log_softmax`` (``L``: positions x rows); its backward
+    makes the softmax in one buffer (``L`` more; the saved one is freed when it returns),
+    then, while that buffer lives, the rows' weight gradient (``R``: rows x hidden, the
+    values ``_Rows`` hands on before autograd adds them into the dense gradient) and the
+    input's (``g``): workspace ``max(L, R + g)`` above what is held (checked with
+    ``profile.memory.LiveTensors``: 4.06 MiB for L = R = 4 MiB, g = 64 KiB). Shards take
+    their share of both (``part_of``)."""
+    size = DTYPE_BYTES[dtype]
+    hidden = max(token_bytes // size, 1)
+    logits = positions * rows * size
+    return {"activation_bytes": logits,
+            "transient_bytes": max(logits, (rows + positions) * hidden * size)}
 
 
 def at_level(profile: Profile, level: str, head_shards: int = 0,

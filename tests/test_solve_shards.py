@@ -143,27 +143,31 @@ def test_cli_cuts_errors_are_one_line(tmp_path, capsys, cuts, message):
     assert err.count("\n") == 0 and "Traceback" not in err and message in err, err
 
 
-def test_a_shard_holds_its_rows_fraction_of_the_head_workspace():
-    """Each shard's backward adds only its rows into the head's gradient, so its workspace
-    is the head's times its vocabulary fraction (333, 333 and 334 of 1000 rows, with a
-    12,345-byte workspace); the parameters split exactly (rounded at both ends)."""
+def test_a_shard_holds_its_rows_fraction_of_the_sliced_loss_memory():
+    """Shards run the runtime's sliced loss, not the measured head's (whatever its
+    workspace, here 12,345 bytes): mbs 1 x 15 positions, hidden 16,384 (fp32), 1000 rows.
+    Held: the log-softmax, 15 x 1000 x 4 = 60,000 bytes; workspace: the rows' weight
+    gradient and the input's, (1000 + 15) x 16,384 x 4 = 66,519,040 bytes (more than the
+    softmax buffer, 60,000); 333, 333 and 334 rows take their fraction of both (rounded
+    at both ends); the parameters split exactly."""
     profile = _splittable(rows=1000)
     profile = dataclasses.replace(profile, blocks=(*profile.blocks[:-1], dataclasses.replace(
         profile.blocks[-1], transient_bytes=12_345)))
     head = profile.blocks[-1]
     assert head.param_bytes > 0
     shards = split_head(profile, 3).blocks[-3:]
-    assert [b.transient_bytes for b in shards] == [4111, 4111, 4123]  # no head.param_bytes
+    assert [b.activation_bytes for b in shards] == [19_980, 19_980, 20_040]
+    assert [b.transient_bytes for b in shards] == [22_150_840, 22_150_841, 22_217_359]
+    assert sum(b.transient_bytes for b in shards) == 66_519_040
     assert sum(b.num_params for b in shards) == head.num_params
     assert sum(b.param_bytes for b in shards) == head.param_bytes
 
 
 def test_a_stage_runs_its_shards_as_one_slice_and_returns_token_losses():
-    """4 shards of a head with a 12,345-byte workspace (3,086 or 3,087 each, summing to
-    12,345): a stage of the last three runs their rows as one slice, so its workspace is
-    12,345 - 3,086 = 9,259 bytes (not the largest shard's 3,087); the last stage holds
-    per-position losses until its backward (mbs 1 x seq - 1 float32), not the logits the
-    whole head returns."""
+    """4 shards of 1000 rows (workspace 66,519,040 bytes in all, 16,629,760 each): a
+    stage of the last three runs their rows as one slice, so its workspace is three
+    shards' (not the largest shard's); the last stage holds per-position losses until its
+    backward (mbs 1 x seq - 1 float32), not the logits the whole head returns."""
     profile = _splittable(rows=1000)
     profile = dataclasses.replace(
         profile, model=dataclasses.replace(profile.model, vocab_size=1000),
@@ -173,12 +177,12 @@ def test_a_stage_runs_its_shards_as_one_slice_and_returns_token_losses():
     setup = profile.setup
     arrays = block_arrays(split, TrainingSetup(pp_size=2, num_microbatches=4))
     n = len(split.blocks)
-    assert stage_cost(arrays, n - 3, n - 1).transient_bytes == 9_259
-    assert stage_cost(arrays, n - 1, n - 1).transient_bytes == 3_086
+    assert stage_cost(arrays, n - 3, n - 1).transient_bytes == 3 * 16_629_760
+    assert stage_cost(arrays, n - 1, n - 1).transient_bytes == 16_629_760
     losses = setup.micro_batch_size * (setup.seq_len - 1) * 4
     assert arrays.held_output_bytes[-1] == losses
-    assert stage_cost(arrays, n - 1, n - 1).activation_bytes == (
-        split.blocks[-1].activation_bytes + losses - split.blocks[-2].output_bytes)
+    assert stage_cost(arrays, n - 1, n - 1).activation_bytes == (  # its input is the buffer's
+        split.blocks[-1].activation_bytes + losses)
     whole = block_arrays(profile, TrainingSetup(pp_size=2, num_microbatches=4))
     assert whole.held_output_bytes[-1] == (setup.micro_batch_size * setup.seq_len
                                            * profile.model.vocab_size * 4)

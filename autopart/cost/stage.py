@@ -121,7 +121,8 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     spread over the microbatches (``BlockArrays.head_grad_fwd_ms``).
     ``activation_bytes`` follows the module docstring: saved activations (with
     ``recompute``, only the inputs of checkpointed blocks) + the held output - the
-    first block's input, which torch's receive buffer holds. With ``recompute`` the
+    first block's input, which torch's receive buffer holds (a head shard's never include
+    it). With ``recompute`` the
     backward re-runs the checkpointed blocks' forward and the largest one's
     activations are rebuilt transiently during its backward.
     """
@@ -146,7 +147,10 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         first_keeps = input_bytes if arrays.checkpointed[first] else arrays.activation_bytes[first]
     else:
         act = int(arrays.prefix_activation[last + 1] - arrays.prefix_activation[first])
-        first_keeps = arrays.activation_bytes[first]
+        # a head shard's activations are its sliced loss's own (``levels.split_head``),
+        # which never include the input the receive buffer holds
+        shard = arrays.vocab_parts is not None and bool(arrays.vocab_parts[first])
+        first_keeps = 0 if shard else arrays.activation_bytes[first]
     act += int(arrays.held_output_bytes[last]) - min(input_bytes, int(first_keeps))
     last_block = arrays.num_blocks - 1
     static, params, held = _stage_static(arrays, first, last)
