@@ -296,7 +296,9 @@ def split_head(profile: Profile, count: int) -> Profile:
     count = min(count, rows)
     per_token = hidden // max(setup.seq_len * setup.micro_batch_size, 1)
     head = dataclasses.replace(head, **_sliced_loss_bytes(rows, positions, setup.dtype,
-                                                          per_token))
+                                                          per_token),
+                               **_sliced_loss_times(head, setup.head_slice_fwd_ratio,
+                                                    setup.head_slice_bwd_ratio))
     shards = [part_of(head, Part(module=head.name, axis="vocab", index=k, count=count), rows,
                       output_bytes=head.output_bytes if k == count - 1 else hidden + carry,
                       adopted=False)
@@ -322,6 +324,15 @@ def _sliced_loss_bytes(rows: int, positions: int, dtype: str,
     logits = positions * rows * size
     return {"activation_bytes": logits,
             "transient_bytes": max(logits, (rows + positions) * hidden * size)}
+
+
+def _sliced_loss_times(head: BlockProfile, fwd_ratio: float, bwd_ratio: float
+                       ) -> dict[str, float]:
+    """The head's times run as the shards run it: scaled by the sliced loss's measured
+    ratios to the model's own (``ProfileSetup.head_slice_fwd_ratio``; 0: unchanged)."""
+    fwd, bwd = fwd_ratio or 1.0, bwd_ratio or 1.0
+    return {"fwd_ms": head.fwd_ms * fwd, "bwd_ms": head.bwd_ms * bwd,
+            "bwd_input_ms": head.bwd_input_ms * bwd, "bwd_weight_ms": head.bwd_weight_ms * bwd}
 
 
 def at_level(profile: Profile, level: str, head_shards: int = 0,

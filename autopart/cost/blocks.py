@@ -107,6 +107,12 @@ class BlockArrays:
     """F time a stage with shards adds per microbatch: the dense gradient of the head
     weight its shards add their rows into is zero-filled once per step, in the first
     forward (``ProfileSetup.head_grad_ms``), spread here over the step's microbatches."""
+    head_slice_fwd_ms: float = 0.0
+    """F time a stage with shards adds per microbatch: the sliced loss's fixed cost per
+    call, paid once since a stage runs its shards as one slice
+    (``ProfileSetup.head_slice_fwd_ms``)."""
+    head_slice_bwd_ms: float = 0.0
+    """The same for its B."""
     glue_lead_ms: float = 0.0
     """The model's code before the first block, which every stage runs per F (all of
     ``ProfileSetup.glue_fwd_ms`` for profiles without per-block glue)."""
@@ -169,6 +175,8 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         **_held_arrays(whole, static, num_params, per_param),
         vocab_parts=_vocab_parts(profile),
         head_grad_fwd_ms=profile.setup.head_grad_ms / max(setup.num_microbatches, 1),
+        head_slice_fwd_ms=profile.setup.head_slice_fwd_ms,
+        head_slice_bwd_ms=profile.setup.head_slice_bwd_ms,
         prefix_held_for_weight=prefix(np.array([b.held_for_weight_bytes for b in blocks],
                                                dtype=np.int64)),
         adopted_grad_bytes=np.array([b.adopted_grad_bytes for b in blocks], dtype=np.int64),

@@ -118,7 +118,8 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     runtime's per-action cost and one p2p op per cut next to the stage; F also carries
     what the stage runs outside its blocks (``_outside_blocks_ms``) and, on a stage with
     vocabulary shards of the head, the once-per-step zero-fill of the head's gradient
-    spread over the microbatches (``BlockArrays.head_grad_fwd_ms``).
+    spread over the microbatches (``BlockArrays.head_grad_fwd_ms``), and the sliced
+    loss's fixed cost per call on its F and B (``BlockArrays.head_slice_fwd_ms``).
     ``activation_bytes`` follows the module docstring: saved activations (with
     ``recompute``, only the inputs of checkpointed blocks) + the held output - the
     first block's input, which torch's receive buffer holds (a head shard's never include
@@ -156,14 +157,15 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
     static, params, held = _stage_static(arrays, first, last)
     fwd_extra, bwd_extra = _action_overhead_ms(arrays.overhead, first > 0, last < last_block)
     bwd_weight = float(arrays.prefix_bwd_weight[last + 1] - arrays.prefix_bwd_weight[first])
+    slice_fwd, slice_bwd = _head_slice_ms(arrays, first, last)
     if first == 0:
         # the model's first stage has no input gradient to hurry: torch's split backward
         # skips its B and runs the whole backward as its W (``backward_one_chunk``)
         bwd_in, bwd_weight = 0.0, bwd_weight + bwd_in
     return StageCost(
         fwd_ms=fwd + fwd_extra + _outside_blocks_ms(arrays, first, last)
-        + _head_grad_fwd_ms(arrays, first, last),
-        bwd_input_ms=bwd_in + bwd_extra,
+        + _head_grad_fwd_ms(arrays, first, last) + slice_fwd,
+        bwd_input_ms=bwd_in + bwd_extra + slice_bwd,
         bwd_weight_ms=bwd_weight,
         static_bytes=static,
         activation_bytes=act,
@@ -217,6 +219,15 @@ def _head_grad_fwd_ms(arrays: BlockArrays, first: int, last: int) -> float:
     shards = arrays.vocab_parts
     held = shards is not None and bool(shards[first:last + 1].any())
     return arrays.head_grad_fwd_ms if held else 0.0
+
+
+def _head_slice_ms(arrays: BlockArrays, first: int, last: int) -> tuple[float, float]:
+    """The sliced loss's fixed F and B ms per microbatch, if the stage holds shards (it
+    runs them as one slice, ``autopart.runtime.stages``)."""
+    shards = arrays.vocab_parts
+    if shards is None or not shards[first:last + 1].any():
+        return 0.0, 0.0
+    return arrays.head_slice_fwd_ms, arrays.head_slice_bwd_ms
 
 
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,

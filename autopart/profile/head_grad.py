@@ -8,12 +8,24 @@ the one full-size write left per step: the profiler records its time in
 ``ProfileSetup.head_grad_ms``, measured (``cpu``, ``cuda``: a fresh ``torch.zeros``, on
 CPU with the page faults of a new allocation) or, on analytical profiles, estimated
 from the device spec's memory bandwidth.
+
+The shards also compute the loss another way than the head the profile measured: the
+runtime's sliced loss (``head_shards.shard_carry``: a log-softmax per slice, a fused
+backward, the rows' gradient handed on sparse) instead of the model's cross entropy over
+the whole logits. ``measure_slice_costs`` times both on the head's shapes (the sliced
+loss on a quarter and on half the rows, as a stage runs part of them), alternately: a
+fixed cost per call, which every stage with shards pays once per microbatch
+(``ProfileSetup.head_slice_fwd_ms``), and a cost per row over the model's loss's
+(``head_slice_fwd_ratio``), which scales the shards' share of the head's times
+(``levels.split_head``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +33,23 @@ from autopart.profile.devices import DeviceSpec
 from autopart.schema import DTYPE_BYTES
 
 __all__ = []
+
+SLICE_REPEATS = 6
+"""Timed runs of each loss in ``measure_slice_costs`` (alternating, after one of each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SliceCosts:
+    """The runtime's sliced loss on a model's head (``measure_slice_costs``)."""
+
+    fwd_fixed_ms: float
+    """Forward ms per call whatever its rows."""
+    bwd_fixed_ms: float
+    """Backward ms per call whatever its rows."""
+    fwd_ratio: float
+    """Forward cost per row over the model's loss's (its whole forward / vocabulary)."""
+    bwd_ratio: float
+    """The same for the backward."""
 
 
 def estimate_head_grad_ms(num_values: int, spec: DeviceSpec, dtype: str) -> float:
@@ -66,3 +95,78 @@ def measure_head_grad_ms(shape: tuple[int, ...], dtype: torch.dtype, device: tor
         if run >= num_warmup:
             times.append(1e3 * elapsed)
     return statistics.median(times)
+
+
+def measure_slice_costs(shape: tuple[int, int], positions: int, dtype: torch.dtype,
+                        device: torch.device, num_repeats: int = SLICE_REPEATS
+                        ) -> SliceCosts:
+    """The runtime's sliced loss against the model's own (linear, then cross entropy on
+    float32 logits), on the head's shapes: medians of alternating runs on one weight.
+
+    The sliced loss runs on a quarter and on half the rows, as a stage holds part of the
+    head; the line through the two splits it into a fixed cost per call and a cost per
+    row. Slices, not the whole head: the whole head's gradient is a new buffer the size
+    of its weight every backward (on CPU, above glibc's 32 MiB mmap ceiling, page faults
+    every time: 47 against 35 ms per row-equivalent on a 32768 x 256 head), which a
+    stage's slice of rows mostly is not.
+
+    Args:
+        shape: The head weight's ``(vocab, hidden)``.
+        positions: Tokens per microbatch whose loss counts (``batch x (seq - 1)``).
+        dtype: The weight's and input's dtype.
+        device: A ``cpu`` or ``cuda`` device.
+        num_repeats: Timed runs of each (after one untimed run of each).
+
+    Returns:
+        The fixed ms (forward, backward) and the per-row cost over the whole loss's.
+    """
+    import torch.nn.functional as F
+
+    from autopart.runtime.head_shards import shard_carry
+
+    vocab, hidden = shape
+    quarter, half = max(vocab // 4, 1), max(vocab // 2, 2)
+    weight = torch.nn.Parameter(0.02 * torch.randn(shape, device=device, dtype=dtype))
+    target = torch.randint(0, vocab, (1, positions), device=device)
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, weight).float()
+        return F.cross_entropy(logits.view(-1, vocab), target.view(-1))
+
+    def sliced(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            lse, picked = shard_carry(x, weight, None, (0, rows), target)
+            return (lse - picked).mean()
+        return loss
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    runs = {vocab: whole, quarter: sliced(quarter), half: sliced(half)}
+    times: dict[int, list[tuple[float, float]]] = {rows: [] for rows in runs}
+    for run in range(num_repeats + 1):
+        for rows, loss_of in runs.items():
+            x = torch.randn(1, positions, hidden, device=device, dtype=dtype,
+                            requires_grad=True)
+            weight.grad = None if loss_of is whole else torch.zeros_like(weight)
+            sync()
+            start = clock()
+            loss = loss_of(x)
+            sync()
+            mid = clock()
+            loss.backward()
+            sync()
+            if run:
+                times[rows].append((1e3 * (mid - start), 1e3 * (clock() - mid)))
+    fits = []
+    for k in (0, 1):
+        ms = {rows: statistics.median(t[k] for t in runs_) for rows, runs_ in times.items()}
+        per_row = (ms[half] - ms[quarter]) / (half - quarter)
+        if per_row <= 0:  # noise: no fixed part
+            per_row = ms[half] / half
+        fixed = max(ms[quarter] - per_row * quarter, 0.0)
+        fits.append((fixed, per_row * vocab / ms[vocab]))
+    return SliceCosts(fwd_fixed_ms=fits[0][0], bwd_fixed_ms=fits[1][0],
+                      fwd_ratio=fits[0][1], bwd_ratio=fits[1][1])

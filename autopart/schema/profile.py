@@ -188,6 +188,18 @@ class ProfileSetup:
     with vocabulary shards of the head creates once per step, into which the shards add
     their rows (``autopart.profile.head_grad``); measured or estimated as
     ``time_source`` says (0: not recorded)."""
+    head_slice_fwd_ratio: float = 0.0
+    """The runtime's sliced loss over the model's own, forward cost per vocabulary row, on
+    the head's shapes (``autopart.profile.head_grad.measure_slice_costs``): vocabulary
+    shards take their share of the head's times scaled by it (0: not measured, as the
+    head)."""
+    head_slice_bwd_ratio: float = 0.0
+    """The same for the backward."""
+    head_slice_fwd_ms: float = 0.0
+    """The sliced loss's forward ms per call whatever its rows: a stage with shards pays it
+    once per microbatch (they run as one slice)."""
+    head_slice_bwd_ms: float = 0.0
+    """The same for the backward."""
     load_average: tuple[float, ...] = ()
     """1-minute load average before and after measuring (empty for analytical profiles):
     above the core count, other work shared the CPU and the times are suspect."""
