@@ -124,6 +124,7 @@ def fuse(blocks: Sequence[BlockProfile], *, name: str | None = None, kind: str |
     return dataclasses.replace(
         last, fwd_ms=total("fwd_ms"), bwd_ms=total("bwd_ms"),
         bwd_input_ms=total("bwd_input_ms"), bwd_weight_ms=total("bwd_weight_ms"),
+        split_extra_ms=total("split_extra_ms"),
         param_bytes=int(total("param_bytes")), num_params=int(total("num_params")),
         activation_bytes=int(total("activation_bytes")),
         held_for_weight_bytes=int(total("held_for_weight_bytes")), transient_bytes=work,
@@ -168,6 +169,7 @@ def part_of(block: BlockProfile, part: Part, units: int, *, output_bytes: int,
         block, name=derived_name(part.module, part.axis, part.index, part.count),
         parts=(*block.parts, part), fwd_ms=block.fwd_ms * frac, bwd_ms=block.bwd_ms * frac,
         bwd_input_ms=block.bwd_input_ms * frac, bwd_weight_ms=block.bwd_weight_ms * frac,
+        split_extra_ms=block.split_extra_ms * frac,
         activation_bytes=share(block.activation_bytes),
         held_for_weight_bytes=share(block.held_for_weight_bytes),
         adopted_grad_bytes=min(share(block.adopted_grad_bytes), share(block.transient_bytes))
@@ -332,7 +334,8 @@ def _sliced_loss_times(head: BlockProfile, fwd_ratio: float, bwd_ratio: float
     ratios to the model's own (``ProfileSetup.head_slice_fwd_ratio``; 0: unchanged)."""
     fwd, bwd = fwd_ratio or 1.0, bwd_ratio or 1.0
     return {"fwd_ms": head.fwd_ms * fwd, "bwd_ms": head.bwd_ms * bwd,
-            "bwd_input_ms": head.bwd_input_ms * bwd, "bwd_weight_ms": head.bwd_weight_ms * bwd}
+            "bwd_input_ms": head.bwd_input_ms * bwd, "bwd_weight_ms": head.bwd_weight_ms * bwd,
+            "split_extra_ms": head.split_extra_ms * bwd}
 
 
 def at_level(profile: Profile, level: str, head_shards: int = 0,

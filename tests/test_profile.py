@@ -115,6 +115,21 @@ def test_f_b_w_on_a_virtual_clock(weight, input_grad, expected):
     t = measure_times(task, _VirtualBackend(), num_warmup=1, num_repeats=3)
     assert (t.fwd_ms, t.bwd_ms, t.bwd_input_ms, t.bwd_weight_ms) == expected
     assert t.fwd_ms_spread == 0.0 and t.bwd_ms_spread == 0.0
+    # torch's split backward runs the same branches (B: x's, W: w's): nothing extra on a
+    # clock that only the branches advance
+    assert t.split_extra_ms == 0.0
+
+
+def test_torch_split_backward_costs_more_than_the_full_one():
+    """On the real clock a linear layer's B + W as zero-bubble schedules run them
+    (``stage_backward_input``, ``stage_backward_weight``: a graph walk, the weight's
+    gradient made apart and added) take longer than its full backward."""
+    block = nn.Linear(64, 64)
+    x = torch.randn(8, 64, requires_grad=True)
+    task = BlockTask(run=block, inputs=x, input_grad=True, loss_output=False, module=block)
+    t = measure_times(task, Backend(), num_warmup=2, num_repeats=5)
+    assert t.split_extra_ms > 0
+    assert block.weight.grad is None and x.grad is None  # nothing left behind
 
 
 def test_exact_sizes(tiny):

@@ -101,6 +101,8 @@ class BlockArrays:
     """Prefix of the blocks' parameters less their held groups' share."""
     overhead: RuntimeOverhead | None = None
     """The runtime's own cost per action, added to every stage's F and B."""
+    prefix_split_extra: np.ndarray | None = None
+    """Prefix of the blocks' ``split_extra_ms`` (None: all zero)."""
     vocab_parts: np.ndarray | None = None
     """Per block, whether it is a vocabulary part of the head (None: the head is whole)."""
     head_grad_fwd_ms: float = 0.0
@@ -174,6 +176,9 @@ def block_arrays(profile: Profile, setup: TrainingSetup) -> BlockArrays:
         **_glue_arrays(profile),
         **_held_arrays(whole, static, num_params, per_param),
         vocab_parts=_vocab_parts(profile),
+        prefix_split_extra=(prefix(np.array([b.split_extra_ms for b in blocks],
+                                            dtype=np.float64))
+                            if any(b.split_extra_ms for b in blocks) else None),
         head_grad_fwd_ms=profile.setup.head_grad_ms / max(setup.num_microbatches, 1),
         head_slice_fwd_ms=profile.setup.head_slice_fwd_ms,
         head_slice_bwd_ms=profile.setup.head_slice_bwd_ms,

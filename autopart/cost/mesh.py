@@ -269,6 +269,7 @@ def _scaled(block: BlockProfile, tp: int, share: float, comm_fwd: float,
     return dataclasses.replace(
         block, fwd_ms=block.fwd_ms * scale + comm_fwd, bwd_input_ms=bwd_input,
         bwd_weight_ms=bwd_weight, bwd_ms=bwd_input + bwd_weight,
+        split_extra_ms=block.split_extra_ms * scale,
         num_params=-(-block.num_params // tp) if split else block.num_params,
         param_bytes=-(-block.param_bytes // tp) if split else block.param_bytes,
         activation_bytes=round(block.activation_bytes * share),

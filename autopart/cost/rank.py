@@ -145,5 +145,6 @@ def stage_costs_of_plan(plan: Plan) -> list[StageCost]:
                       param_count=s.param_count, recompute=s.recompute,
                       held=tuple((h.module, h.static_bytes) for h in s.held),
                       held_for_weight_bytes=s.held_for_weight_bytes,
-                      adopted_grad_bytes=s.adopted_grad_bytes)
+                      adopted_grad_bytes=s.adopted_grad_bytes,
+                      split_extra_ms=s.split_extra_ms)
             for s in plan.stages]

@@ -77,6 +77,9 @@ class StageCost:
     adopted_grad_bytes: int = 0
     """The part of ``transient_bytes`` that is weight gradients: paid only by the stage's
     weight-gradient backwards after its first in a step (module docstring)."""
+    split_extra_ms: float = 0.0
+    """What torch's split backward costs beyond the full one (``BlockProfile.
+    split_extra_ms``): zero-bubble schedules run ``bwd_weight_ms`` + this as W."""
 
     @property
     def bwd_ms(self) -> float:
@@ -177,6 +180,10 @@ def stage_cost(arrays: BlockArrays, first: int, last: int, recompute: bool = Fal
         held=held,
         held_for_weight_bytes=_held_for_weight(arrays, first, last),
         adopted_grad_bytes=adopted,
+        # the first stage runs its whole backward as W: no split, nothing extra
+        split_extra_ms=float(arrays.prefix_split_extra[last + 1]
+                             - arrays.prefix_split_extra[first])
+        if arrays.prefix_split_extra is not None and first > 0 else 0.0,
     )
 
 

@@ -59,7 +59,8 @@ class MeasuringEngine:
     def measure(self, task: BlockTask, block_module: nn.Module) -> Figures:
         """Time ``task`` on the device and measure (or, on XLA, compute) its memory."""
         times = measure_times_clean(task, self.backend, self.num_warmup, self.num_repeats)
-        measured = (*_TIMES, "param_bytes")
+        measured = (*_TIMES, "param_bytes") + (("split_extra_ms",) if times.split_extra_ms
+                                                 else ())
         if self.backend.has_storages:
             return Figures(times, memory_pass(task, self.backend), (*measured, *_MEMORY))
         memory = self._meta_memory(task, block_module)

@@ -59,7 +59,8 @@ def minus_figures(whole: Figures, part: Figures) -> Figures:
     times = dataclasses.replace(
         t, fwd_ms=max(t.fwd_ms - p.fwd_ms, 0.0), bwd_ms=max(t.bwd_ms - p.bwd_ms, 0.0),
         bwd_input_ms=max(t.bwd_input_ms - p.bwd_input_ms, 0.0),
-        bwd_weight_ms=max(t.bwd_weight_ms - p.bwd_weight_ms, 0.0))
+        bwd_weight_ms=max(t.bwd_weight_ms - p.bwd_weight_ms, 0.0),
+        split_extra_ms=max(t.split_extra_ms - p.split_extra_ms, 0.0))
     w, q = whole.memory, part.memory
     adopted = max(w.adopted_grad_bytes - q.adopted_grad_bytes, 0)
     memory = dataclasses.replace(

@@ -12,6 +12,11 @@ Times (median of ``num_repeats`` after ``num_warmup`` warm-up iterations):
   respect to the parameters alone would recompute the input-gradient chain inside
   the block and overstate it. Blocks without an input gradient (the embedding) have
   B = 0 and W = full backward; blocks without trainable weights have W = 0.
+* ``split_extra_ms``: B and W the way torch's zero-bubble schedules run them
+  (``stage_backward_input``, then ``stage_backward_weight`` adding into gradients that
+  exist, as from a step's second microbatch on) less the full backward, clamped at 0:
+  their graph walk per parameter group, and every weight's gradient made apart and then
+  added. B is that ``stage_backward_input``.
 
 Spreads are ``(p75 - p25) / median`` of the repeats. Memory comes from one extra
 forward + backward (see ``memory_pass``), and one forward + B the way torch's
@@ -54,6 +59,8 @@ class TimeFigures:
     fwd_ms_spread: float = 0.0
     bwd_ms_spread: float = 0.0
     compile_ms: float = 0.0
+    split_extra_ms: float = 0.0
+    """torch's split backward (B + W as zero-bubble schedules run it) - ``bwd_ms``."""
     num_measurements: int = 1
     """How many times the block was measured (re-measured while disturbed)."""
     noisy: bool = False
@@ -89,12 +96,14 @@ def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
     with _compile_clock(backend) as compile_ms:
         for _ in range(num_warmup):
             _timed_round(task, backend, grad_out, warm)
-    fwd, full, inp = [], [], []
+    fwd, full, inp, split = [], [], [], []
     for _ in range(num_repeats):
-        round_fwd, round_full, round_inp = _timed_round(task, backend, grad_out, warm)
+        round_fwd, round_full, round_inp, round_split = _timed_round(task, backend, grad_out,
+                                                                     warm)
         fwd += round_fwd
         full.append(round_full)
         inp += round_inp
+        split += round_split
     task.inputs.grad = None
     for p in task.trainable():
         p.grad = None
@@ -102,9 +111,11 @@ def measure_times(task: BlockTask, backend: Backend, num_warmup: int,
     b_ms = min(statistics.median(inp), bwd) if inp else 0.0
     if not task.trainable():
         b_ms = bwd if task.input_grad else 0.0
+    extra = max(statistics.median(split) - bwd, 0.0) if split else 0.0
     return TimeFigures(fwd_ms=statistics.median(fwd), bwd_ms=bwd, bwd_input_ms=b_ms,
                        bwd_weight_ms=max(bwd - b_ms, 0.0), fwd_ms_spread=_spread(fwd),
-                       bwd_ms_spread=_spread(full), compile_ms=compile_ms[0])
+                       bwd_ms_spread=_spread(full), compile_ms=compile_ms[0],
+                       split_extra_ms=extra)
 
 
 def measure_times_clean(task: BlockTask, backend: Backend, num_warmup: int,
@@ -361,8 +372,9 @@ def incoming_grad(task: BlockTask) -> torch.Tensor | None:
 
 def _timed_round(task: BlockTask, backend: Backend, grad_out: torch.Tensor | None,
                  warm: tuple[Callable[[], None] | None, Callable[[], None] | None] = (None, None)
-                 ) -> tuple[list[float], float, list[float]]:
-    """One round: F + full backward, then (with an input grad) F + B; returns the ms.
+                 ) -> tuple[list[float], float, list[float], list[float]]:
+    """One round: F + full backward, then (with an input grad) F + B, and with weights W
+    as torch's split backward runs them; returns the ms (F, full, B, B + W).
 
     ``warm``: what a flushing backend runs untimed before a forward and before a backward
     (``autopart.profile.warm``)."""
@@ -374,11 +386,31 @@ def _timed_round(task: BlockTask, backend: Backend, grad_out: torch.Tensor | Non
     del out
     task.inputs.grad = None
     if not task.input_grad:
-        return [fwd_ms], full_ms, []
+        return [fwd_ms], full_ms, [], []
     fwd2_ms, out = backend.time(task.forward, hot, warm_fwd)
-    b_ms, _ = backend.time(lambda: torch.autograd.grad(out, task.inputs, grad_out),
-                           (grad_out,), warm_bwd)
-    return [fwd_ms, fwd2_ms], full_ms, [b_ms]
+    params = task.trainable()
+    if not params:
+        b_ms, _ = backend.time(lambda: torch.autograd.grad(out, task.inputs, grad_out),
+                               (grad_out,), warm_bwd)
+        return [fwd_ms, fwd2_ms], full_ms, [b_ms], []
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    if out._is_view():  # B detaches its outputs in place (a view's copy adds no weight op)
+        out = out.clone()
+    grads = None if grad_out is None else [grad_out]
+    b_ms, (_, groups) = backend.time(
+        lambda: stage_backward_input([out], grads, [task.inputs], iter(params)),
+        (grad_out,), warm_bwd)
+    for p in params:  # W adds into gradients made by the step's earlier microbatches
+        p.grad = torch.zeros_like(p)
+    w_ms, _ = backend.time(lambda: stage_backward_weight(iter(params), groups), (), warm_bwd)
+    for p in params:
+        p.grad = None
+    task.inputs.grad = None
+    return [fwd_ms, fwd2_ms], full_ms, [b_ms], [b_ms + w_ms]
 
 
 def _spread(samples: list[float]) -> float:

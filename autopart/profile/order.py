@@ -202,5 +202,6 @@ def _scaled(call: Any, fwd: float, bwd: float) -> Any:
     times = call.figures.times
     figures = dataclasses.replace(call.figures, times=dataclasses.replace(
         times, fwd_ms=times.fwd_ms * fwd, bwd_ms=times.bwd_ms * bwd,
-        bwd_input_ms=times.bwd_input_ms * bwd, bwd_weight_ms=times.bwd_weight_ms * bwd))
+        bwd_input_ms=times.bwd_input_ms * bwd, bwd_weight_ms=times.bwd_weight_ms * bwd,
+        split_extra_ms=times.split_extra_ms * bwd))
     return dataclasses.replace(call, figures=figures)

@@ -379,6 +379,7 @@ def _block_profile(block: Block, calls: list[_CallFigures], twin: str) -> BlockP
         name=block.name, kind=block.kind, fwd_ms=sum(x.fwd_ms for x in t),
         bwd_ms=sum(x.bwd_ms for x in t), bwd_input_ms=sum(x.bwd_input_ms for x in t),
         bwd_weight_ms=sum(x.bwd_weight_ms for x in t),
+        split_extra_ms=sum(x.split_extra_ms for x in t),
         param_bytes=sum(c.param_bytes for c in calls),
         activation_bytes=sum(x.activation_bytes for x in m), output_bytes=m[-1].output_bytes,
         transient_bytes=max(x.transient_bytes for x in m),

@@ -198,6 +198,9 @@ class StagePlan:
     """The part of ``transient_bytes`` that is weight gradients, paid only by backwards
     after the stage's first in a step (``autopart.cost.stage.StageCost``; 0 in plans written
     before it)."""
+    split_extra_ms: float = 0.0
+    """What torch's split backward adds to the W of zero-bubble schedules
+    (``BlockProfile.split_extra_ms``; 0 in plans written before it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,7 +18,8 @@ upgraded on load, ``autopart.schema.upgrade``)."""
 _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "param_bytes",
                               "activation_bytes", "output_bytes", "transient_bytes",
                               "num_params", "compile_ms", "held_for_weight_bytes",
-                              "adopted_grad_bytes", "glue_after_ms", "stand_in_ms", "walk_ms")
+                              "adopted_grad_bytes", "glue_after_ms", "stand_in_ms", "walk_ms",
+                              "split_extra_ms")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -40,7 +41,7 @@ class BlockProfile:
     bwd_input_ms: float
     """B: gradient with respect to the block's input."""
     bwd_weight_ms: float
-    """W: gradient with respect to the block's weights."""
+    """W: gradient with respect to the block's weights (full backward - B)."""
     param_bytes: int
     activation_bytes: int
     """Bytes kept alive from forward to backward (parameters excluded, shared storage once)."""
@@ -70,6 +71,11 @@ class BlockProfile:
     re-measuring, or a re-measure disagreed (then the median of three is kept)."""
     num_measurements: int = 1
     """How many times the block's call was timed (more when it was disturbed)."""
+    split_extra_ms: float = 0.0
+    """What torch's split backward costs beyond the full one: ``stage_backward_input`` +
+    ``stage_backward_weight`` (its graph walk per parameter group, each weight's gradient
+    made apart and added into ``.grad``) - ``bwd_ms``. Zero-bubble schedules pay it in
+    their W (0: not measured, analytical)."""
     parts: tuple[Part, ...] = ()
     """What module calls this block is a part of, outermost first (``autopart.schema.parts``);
     empty for a whole module."""

@@ -163,7 +163,7 @@ def updated_duration_table(table: np.ndarray, stage_costs: Sequence[StageCost],
         out[s] = sc.fwd_ms + extra
         out[num + s] = extra + (sc.bwd_input_ms if split_backward
                                 else sc.bwd_input_ms + sc.bwd_weight_ms)
-        out[2 * num + s] = sc.bwd_weight_ms if split_backward else 0.0
+        out[2 * num + s] = sc.bwd_weight_ms + sc.split_extra_ms if split_backward else 0.0
         out[3 * num + s] = comm_ms(sc.output_bytes, setup)
         if s + 1 < num:
             out[4 * num + s + 1] = comm_ms(sc.output_bytes, setup)
@@ -220,14 +220,15 @@ def _result(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
 
 def _durations(stage_costs: Sequence[StageCost], split: bool,
                charges: Sequence[float] | None = None) -> tuple[list[float], ...]:
-    """Per kind (F, B, W), per stage duration; a non-split ``B`` is the full backward;
+    """Per kind (F, B, W), per stage duration; a non-split ``B`` is the full backward, a
+    split ``W`` carries what torch's split backward adds (``StageCost.split_extra_ms``);
     ``charges``: per stage ms added to its F and its B (the sends and receives they post
     under torch's action runtime, ``rank_cost.post_charges_ms``)."""
     extra = charges if charges is not None else [0.0] * len(stage_costs)
     fwd = [sc.fwd_ms + x for sc, x in zip(stage_costs, extra)]
     if split:
         return fwd, [sc.bwd_input_ms + x for sc, x in zip(stage_costs, extra)], \
-            [sc.bwd_weight_ms for sc in stage_costs]
+            [sc.bwd_weight_ms + sc.split_extra_ms for sc in stage_costs]
     return (fwd, [sc.bwd_input_ms + sc.bwd_weight_ms + x for sc, x in zip(stage_costs, extra)],
             [0.0] * len(fwd))
 

@@ -80,7 +80,7 @@ def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,
             transient_bytes=cost.transient_bytes,
             held=tuple(HeldModule(module=k, static_bytes=b) for k, b in cost.held),
             held_for_weight_bytes=cost.held_for_weight_bytes,
-            adopted_grad_bytes=cost.adopted_grad_bytes))
+            adopted_grad_bytes=cost.adopted_grad_bytes, split_extra_ms=cost.split_extra_ms))
     result = best.result
     ranks = tuple(
         RankPlan(rank=r, stages=tuple(st.index for st in stages if st.rank == r),

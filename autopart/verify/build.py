@@ -112,13 +112,14 @@ def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageRepo
         full = _median(samples["BW", s.index])
         # Split schedules run most backwards as B then W, some (cooldown) as one full pass.
         bwd = b + w if split and samples["B", s.index] else full
+        extra = s.split_extra_ms if split else 0.0  # torch's split backward, in W
         reports.append(StageReport(
             index=s.index, rank=s.rank, modules=s.modules, predicted_fwd_ms=s.fwd_ms,
             measured_fwd_ms=f,
-            predicted_bwd_ms=s.bwd_ms, measured_bwd_ms=bwd,
+            predicted_bwd_ms=s.bwd_ms + extra, measured_bwd_ms=bwd,
             predicted_bwd_input_ms=s.bwd_input_ms,
             measured_bwd_input_ms=b if split and samples["B", s.index] else None,
-            predicted_bwd_weight_ms=s.bwd_weight_ms,
+            predicted_bwd_weight_ms=s.bwd_weight_ms + extra,
             measured_bwd_weight_ms=w if split and samples["W", s.index] else None,
             measured_fwd_cpu_ms=_median(cpu["F", s.index]) if cpu["F", s.index] else None,
             measured_bwd_cpu_ms=_median(cpu["BW", s.index]) if cpu["BW", s.index] else None))
