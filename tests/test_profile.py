@@ -360,3 +360,29 @@ def test_tied_head_counts_its_weight_but_the_model_counts_it_once():
     embed, head = profile.blocks[0], profile.blocks[-1]
     assert embed.num_params == head.num_params == 512 * 64  # each stage holds its own copy
     assert profile.model.num_params == sum(b.num_params for b in profile.blocks) - 512 * 64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("softcap", [30.0, None])
+def test_what_the_model_code_saves_after_a_block_is_held_with_it(tmp_path, monkeypatch, softcap):
+    """Gemma2 soft-caps its logits after the head (``tanh``, in the model's code, not in
+    any block): a stage holding the head keeps that tanh's output per microbatch. The
+    head's activations count it (one float32 logit tensor, 1 x 16 x 256 x 4 bytes) on top
+    of what the head and loss save; without soft-capping nothing is added."""
+    from transformers import AutoConfig
+
+    hold_steady(monkeypatch)
+    config = AutoConfig.for_model("gemma2", hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, vocab_size=256,
+                                  sliding_window=8, final_logit_softcapping=softcap)
+    config.save_pretrained(tmp_path)
+    profile = profile_model(str(tmp_path / "config.json"), cache_flush="model",
+                            neighbours=0, **FAST)
+    head = profile.blocks[-1]
+    logits = 1 * 16 * 256 * 4
+    if softcap:
+        assert head.activation_bytes >= 2 * logits
+    else:
+        assert head.activation_bytes < 2 * logits

@@ -88,14 +88,15 @@ class ForwardRunner:
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 2) or 2)
         self.labels = torch.randint(0, vocab, (micro_batch_size, seq_len))
 
-    def run(self, visit: Visit, clock: Callable[[], float] | None = None
-            ) -> tuple[float, float]:
+    def run(self, visit: Visit, clock: Callable[[], float] | None = None,
+            grad: bool = False) -> tuple[float, float]:
         """Call ``visit(call_idx, module, args, kwargs)`` for each block call, in order.
 
         ``visit`` returns the call's output as the model's code should see it (on
         the glue device). The model itself is only read. Returns ``clock()`` just
         before the calls are routed and just after they are restored (0, 0 without a
-        clock): the span a pipeline stage's forward takes.
+        clock): the span a pipeline stage's forward takes. ``grad``: the model's own code
+        records its graph too (else only the calls do).
         """
         args, kwargs = example_inputs(self.model, self.chain.call_fqns, self.micro_batch_size,
                                       self.seq_len, self.glue_device, self.dtype)
@@ -110,7 +111,8 @@ class ForwardRunner:
         clock = clock or (lambda: 0.0)
         try:
             start = clock()
-            with torch.no_grad(), intercept(self.model, calls, handler), KeepOffMeta():
+            with (torch.enable_grad() if grad else torch.no_grad()), \
+                    intercept(self.model, calls, handler), KeepOffMeta():
                 self.model(*args, **kwargs)
             end = clock()
         finally:
@@ -145,11 +147,42 @@ class ForwardRunner:
         stood = [self._timed_forward(stand_in) for _ in range(num_repeats)]
         total = statistics.median(r.total_ms for r in recorded)
         return GlueTimes(
-            total_ms=total,
+            total_ms=total, after_call_bytes=self._glue_saved_bytes(outputs),
             after_call_ms=tuple(statistics.median(r.after_ms[i] for r in recorded)
                                 for i in range(n)),
             stand_in_ms=tuple(statistics.median(r.call_ms[i] for r in stood) for i in range(n)),
             walk_ms=self._time_walks(outputs, num_repeats))
+
+    def _glue_saved_bytes(self, outputs: dict[int, Any]) -> tuple[int, ...]:
+        """Per call, the bytes the model's code after it (up to the next call) saves for
+        its backward, each storage once; the calls' own outputs, held anyway, are not
+        counted, and what the code before the first call saves goes to the first call.
+        Gemma2's logit soft-capping (``tanh`` after the head) saves one logit-sized
+        tensor per microbatch this way, which no block holds."""
+        from autopart.profile.memory import storage_key
+
+        n = len(self.chain.call_fqns)
+        saved, seen, held = [0] * n, set(), set()
+        current = [0]
+
+        def visit(idx: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            current[0] = idx
+            out = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(
+                t.is_floating_point()), outputs[idx])
+            held.update(storage_key(t) for t in tree_flatten(out)[0]
+                        if isinstance(t, torch.Tensor))
+            return out
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = storage_key(t)
+            if key is not None and key not in held and key not in seen:
+                seen.add(key)
+                saved[current[0]] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.run(visit, grad=True)
+        return tuple(saved)
 
     def _timed_forward(self, answer: Visit) -> _TimedForward:
         """One forward with every call answered by ``answer``; its times (see ``time_glue``)."""
@@ -216,6 +249,9 @@ class GlueTimes:
 
     total_ms: float
     """The model's code between (before, after) all its block calls."""
+    after_call_bytes: tuple[int, ...]
+    """Per call, what the model's code after it saves for the backward (``_glue_saved_
+    bytes``): held per microbatch like the call's own activations."""
     after_call_ms: tuple[float, ...]
     """Per call, the model's code after it up to the next call (after the last: to the
     end of the forward). ``total_ms`` less their sum runs before the first call."""
@@ -226,19 +262,23 @@ class GlueTimes:
 
     def onto(self, chain: BlockChain, blocks: list[BlockProfile]) -> list[BlockProfile]:
         """``blocks`` with these times as ``BlockProfile.glue_after_ms``, ``stand_in_ms``
-        and ``walk_ms``. A split half's call ends with its child ``C``: the code after it
-        and its stand-in go to ``C``'s block."""
+        and ``walk_ms``, and what the code after a block saves added to its
+        ``activation_bytes``. A split half's call ends with its child ``C``: the code
+        after it and its stand-in go to ``C``'s block."""
         block_of = {c: i for i, b in enumerate(chain.blocks) for c in b.calls}
         splits = dict(chain.splits)
         after, stand_in = [0.0] * len(blocks), [0.0] * len(blocks)
+        saved = [0] * len(blocks)
         for c in block_of:
             end = block_of[splits.get(c, c)]
             after[end] += self.after_call_ms[c]
             stand_in[end] += self.stand_in_ms[c]
+            saved[end] += self.after_call_bytes[c]
         walk = {block_of[c]: ms for c, ms in self.walk_ms.items()}
         return [dataclasses.replace(block, glue_after_ms=round(after[i], 4),
                                     stand_in_ms=round(stand_in[i], 4),
-                                    walk_ms=round(walk.get(i, 0.0), 4))
+                                    walk_ms=round(walk.get(i, 0.0), 4),
+                                    activation_bytes=block.activation_bytes + saved[i])
                 for i, block in enumerate(blocks)]
 
 
