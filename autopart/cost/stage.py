@@ -223,18 +223,21 @@ def _head_grad_fwd_ms(arrays: BlockArrays, first: int, last: int) -> float:
 
     The runtime creates one dense gradient per rank and step (``autopart.runtime.
     head_shards``); a rank with shards in two stages is charged it twice."""
-    shards = arrays.vocab_parts
-    held = shards is not None and bool(shards[first:last + 1].any())
-    return arrays.head_grad_fwd_ms if held else 0.0
+    return arrays.head_grad_fwd_ms if _holds_shards(arrays, first, last) else 0.0
 
 
 def _head_slice_ms(arrays: BlockArrays, first: int, last: int) -> tuple[float, float]:
     """The sliced loss's fixed F and B ms per microbatch, if the stage holds shards (it
     runs them as one slice, ``autopart.runtime.stages``)."""
-    shards = arrays.vocab_parts
-    if shards is None or not shards[first:last + 1].any():
+    if not _holds_shards(arrays, first, last):
         return 0.0, 0.0
     return arrays.head_slice_fwd_ms, arrays.head_slice_bwd_ms
+
+
+def _holds_shards(arrays: BlockArrays, first: int, last: int) -> bool:
+    """Whether blocks ``first .. last`` include a vocabulary part of the head."""
+    shards = arrays.vocab_parts
+    return shards is not None and bool(shards[first:last + 1].any())
 
 
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,

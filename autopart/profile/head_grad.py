@@ -32,7 +32,7 @@ import torch
 from autopart.profile.devices import DeviceSpec
 from autopart.schema import DTYPE_BYTES
 
-__all__ = []
+__all__ = ["head_split_fields"]
 
 SLICE_REPEATS = 6
 """Timed runs of each loss in ``measure_slice_costs`` (alternating, after one of each)."""
@@ -170,3 +170,36 @@ def measure_slice_costs(shape: tuple[int, int], positions: int, dtype: torch.dty
         fits.append((fixed, per_row * vocab / ms[vocab]))
     return SliceCosts(fwd_fixed_ms=fits[0][0], bwd_fixed_ms=fits[1][0],
                       fwd_ratio=fits[0][1], bwd_ratio=fits[1][1])
+
+
+def head_split_fields(shape: tuple[int, int], dtype: str, positions: int,
+                      device: torch.device, spec: DeviceSpec | None = None
+                      ) -> dict[str, float]:
+    """``ProfileSetup``'s figures for a head split by vocabulary: the gradient's zero-fill
+    (``head_grad_ms``) and the sliced loss's costs (``head_slice_*``).
+
+    Args:
+        shape: The head weight's ``(vocab, hidden)``.
+        dtype: The profile's dtype name.
+        positions: Tokens per microbatch whose loss counts.
+        device: Where the profile runs.
+        spec: The device spec of an analytical profile (then the zero-fill is estimated
+            and the sliced loss is not measured).
+
+    Returns:
+        The fields measured (``cpu``, ``cuda``) or estimated (analytical); none elsewhere.
+    """
+    from autopart.profile.validate import TORCH_DTYPES
+
+    if spec is not None:
+        return {"head_grad_ms": round(estimate_head_grad_ms(shape[0] * shape[1], spec,
+                                                            dtype), 6)}
+    if device.type not in ("cpu", "cuda"):
+        return {}
+    torch_dtype = TORCH_DTYPES[dtype]
+    costs = measure_slice_costs(shape, positions, torch_dtype, device)
+    return {"head_grad_ms": round(measure_head_grad_ms(shape, torch_dtype, device), 6),
+            "head_slice_fwd_ratio": round(costs.fwd_ratio, 4),
+            "head_slice_bwd_ratio": round(costs.bwd_ratio, 4),
+            "head_slice_fwd_ms": round(costs.fwd_fixed_ms, 4),
+            "head_slice_bwd_ms": round(costs.bwd_fixed_ms, 4)}

@@ -36,6 +36,7 @@ import torch
 
 from autopart.profile.backends import Backend
 from autopart.profile.memory import LiveTensors, SavedTensors, storage_key, tensor_bytes
+from autopart.profile.split_backward import held_for_weight_bytes, timed_split
 from autopart.profile.tasks import BlockTask
 from autopart.profile.warm import hot_inputs, warm_on_a_copy
 
@@ -181,7 +182,7 @@ def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigure
     task.inputs.grad = None
     return MemoryFigures(activation_bytes=saved.total_bytes, output_bytes=tensor_bytes(out),
                          transient_bytes=transient, adopted_grad_bytes=adopted,
-                         held_for_weight_bytes=held_for_weight_bytes(task))
+                         held_for_weight_bytes=held_for_weight_bytes(task, grad_out))
 
 
 def logged_workspace(task: BlockTask, grad_out: torch.Tensor | None,
@@ -269,34 +270,6 @@ def without_last(live: LiveTensors, keys: set[int | None]) -> LiveTensors:
     copy.events = [(key, delta) for i, (key, delta) in enumerate(live.events)
                    if not (key in last and i >= last[key])]
     return copy
-
-
-def held_for_weight_bytes(task: BlockTask) -> int:
-    """Bytes of the gradients the block's B keeps alive until its W in a split backward.
-
-    Zero-bubble schedules run torch's ``stage_backward_input`` (B), which records the
-    gradient flowing into every op that feeds a weight (its ``param_groups``' grads)
-    and keeps it, with the whole graph, until ``stage_backward_weight`` (W). This runs
-    the block's forward and that B and counts those gradients, each storage once (on
-    meta too). 0 for a block without an input gradient or without trainable weights.
-    """
-    params = task.trainable()
-    if not (task.input_grad and params):
-        return 0
-    from torch.distributed.pipelining._backward import stage_backward_input
-
-    grad_out = incoming_grad(task)
-    task.inputs.grad = None
-    out = task.forward()
-    if out._is_view():  # B detaches its outputs in place (a view's copy adds no weight op)
-        out = out.clone()
-    _, groups = stage_backward_input([out], None if grad_out is None else [grad_out],
-                                     [task.inputs], iter(params))
-    kept = {storage_key(g) or id(g): g.untyped_storage().nbytes()
-            for group in groups for grads in group.get("grads") or ()
-            for g in grads if isinstance(g, torch.Tensor)}
-    task.inputs.grad = None
-    return sum(kept.values())
 
 
 def coinciding_workspace(live: LiveTensors, saved: dict[int, int], in_key: int | None,
@@ -393,23 +366,7 @@ def _timed_round(task: BlockTask, backend: Backend, grad_out: torch.Tensor | Non
         b_ms, _ = backend.time(lambda: torch.autograd.grad(out, task.inputs, grad_out),
                                (grad_out,), warm_bwd)
         return [fwd_ms, fwd2_ms], full_ms, [b_ms], []
-    from torch.distributed.pipelining._backward import (
-        stage_backward_input,
-        stage_backward_weight,
-    )
-
-    if out._is_view():  # B detaches its outputs in place (a view's copy adds no weight op)
-        out = out.clone()
-    grads = None if grad_out is None else [grad_out]
-    b_ms, (_, groups) = backend.time(
-        lambda: stage_backward_input([out], grads, [task.inputs], iter(params)),
-        (grad_out,), warm_bwd)
-    for p in params:  # W adds into gradients made by the step's earlier microbatches
-        p.grad = torch.zeros_like(p)
-    w_ms, _ = backend.time(lambda: stage_backward_weight(iter(params), groups), (), warm_bwd)
-    for p in params:
-        p.grad = None
-    task.inputs.grad = None
+    b_ms, w_ms = timed_split(task, backend, out, grad_out, warm_bwd)
     return [fwd_ms, fwd2_ms], full_ms, [b_ms], [b_ms + w_ms]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,12 +28,7 @@ from autopart.intake.chain import Block
 from autopart.intake.forward import leaf_paths
 from autopart.profile.analytical import flash_sdpa
 from autopart.profile.engines import AnalyticalEngine, Figures, MeasuringEngine, make_engine
-from autopart.profile.head_grad import (
-    SliceCosts,
-    estimate_head_grad_ms,
-    measure_head_grad_ms,
-    measure_slice_costs,
-)
+from autopart.profile.head_grad import head_split_fields
 from autopart.profile.inner import (
     capture_call,
     minus_figures,
@@ -140,11 +134,11 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
             if glue is not None:
                 blocks = glue.onto(chain, blocks)
             info = model_info(loaded, chain, blocks, slices)
-            head_grad = (_head_grad_ms(engine, model, chain, dtype) if info.head_split_rows
-                         else 0.0)
-            slices_of_head = (_slice_costs(engine, model, chain, dtype,
-                                           micro_batch_size * max(seq_len - 1, 1))
-                              if info.head_split_rows else None)
+            head_split = (head_split_fields(
+                tuple(model.get_submodule(chain.blocks[-1].name).weight.shape), dtype,
+                micro_batch_size * max(seq_len - 1, 1), engine.device,
+                engine.spec if isinstance(engine, AnalyticalEngine) else None)
+                if info.head_split_rows else {})
             load_after = load_average()
     setup = ProfileSetup(
         backend=backend, device_name=engine.device_name, dtype=dtype,
@@ -157,7 +151,7 @@ def profile_model(source: str | nn.Module | LoadedModel, options: ProfileOptions
         memory_source=engine.memory_source,
         num_threads=torch.get_num_threads(),
         glue_fwd_ms=round(glue.total_ms, 4) if glue is not None else 0.0,
-        head_grad_ms=round(head_grad, 6), **_slice_fields(slices_of_head),
+        **head_split,
         load_average=() if backend.startswith("analytical") else (load_before, load_after),
         neighbours=neighbours, device_memory_bytes=_device_memory_bytes(engine),
         attn_implementation=str(getattr(getattr(model, "config", None),
@@ -177,37 +171,6 @@ def _device_memory_bytes(engine: _Engine) -> int:
 
         return int(psutil.virtual_memory().total)
     return 0
-
-
-def _head_grad_ms(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: str) -> float:
-    """The once-per-step zero-fill of a split head's dense gradient (``head_grad``):
-    measured on ``cpu``/``cuda``, estimated from the spec on analytical profiles, else 0."""
-    shape = tuple(model.get_submodule(chain.blocks[-1].name).weight.shape)
-    if isinstance(engine, AnalyticalEngine):
-        return estimate_head_grad_ms(math.prod(shape), engine.spec, dtype)
-    if engine.device.type in ("cpu", "cuda"):
-        return measure_head_grad_ms(shape, TORCH_DTYPES[dtype], engine.device)
-    return 0.0
-
-
-def _slice_costs(engine: _Engine, model: nn.Module, chain: BlockChain, dtype: str,
-                 positions: int) -> SliceCosts | None:
-    """The shards' sliced loss against the head's (``head_grad.measure_slice_costs``),
-    measured on ``cpu``/``cuda``; ``None`` (not measured) elsewhere."""
-    if isinstance(engine, AnalyticalEngine) or engine.device.type not in ("cpu", "cuda"):
-        return None
-    shape = tuple(model.get_submodule(chain.blocks[-1].name).weight.shape)
-    return measure_slice_costs(shape, positions, TORCH_DTYPES[dtype], engine.device)
-
-
-def _slice_fields(costs: SliceCosts | None) -> dict[str, float]:
-    """``ProfileSetup``'s ``head_slice_*`` fields (none when not measured)."""
-    if costs is None:
-        return {}
-    return {"head_slice_fwd_ratio": round(costs.fwd_ratio, 4),
-            "head_slice_bwd_ratio": round(costs.bwd_ratio, 4),
-            "head_slice_fwd_ms": round(costs.fwd_fixed_ms, 4),
-            "head_slice_bwd_ms": round(costs.bwd_fixed_ms, 4)}
 
 
 def _profile_blocks(model: nn.Module, chain: BlockChain, runner: ForwardRunner,

@@ -47,6 +47,7 @@ from autopart.verify.machine_runtime import (
     runtime_post_times,
     sync,
     timed_method,
+    timed_step,
 )
 
 __all__ = ["check_machine", "load_cached_overhead", "machine_check_for", "round_trips",
@@ -189,14 +190,7 @@ def _pipeline_times(rank: int, layer: torch.nn.Module, device: torch.device, m: 
         for step in range(num_warmup + num_steps):
             for values in spans.values():
                 values.clear()
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=x)
-            sync(device)
-            total = 1e3 * (time.perf_counter() - start)
+            total = timed_step(schedule, rank, x, device)
             if step >= num_warmup:
                 result["fwd"] += spans["F"]
                 result["bwd"] += spans["B"]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ALLREDUCE_MIB", "RUNTIME_COUNTS", "all_reduce_times", "fit_runtime",
-           "runtime_post_times", "sync", "timed_method"]
+           "runtime_post_times", "sync", "timed_method", "timed_step"]
 
 RUNTIME_COUNTS = (4, 8)
 """Microbatch counts of the two runtime runs (multiples of the two ranks)."""
@@ -67,14 +67,7 @@ def runtime_post_times(rank: int, device: torch.device, num_steps: int,
         try:
             for step in range(num_warmup + num_steps):
                 spans.clear()
-                dist.barrier()
-                start = time.perf_counter()
-                if rank == 0:
-                    schedule.step(x)
-                else:
-                    schedule.step(target=x)
-                sync(device)
-                total = 1e3 * (time.perf_counter() - start)
+                total = timed_step(schedule, rank, x, device)
                 if step >= num_warmup:
                     rest.append(total - sum(spans))
                 for mod in modules:
@@ -84,6 +77,19 @@ def runtime_post_times(rank: int, device: torch.device, num_steps: int,
                 undo()
         out[str(m)] = {"rest": rest, "posts": _posts(schedule, rank)}
     return out
+
+
+def timed_step(schedule: Any, rank: int, x: torch.Tensor, device: torch.device) -> float:
+    """Ms of one ``schedule.step`` after a barrier: rank 0 feeds ``x``, the last rank
+    (1) takes it as the target."""
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=x)
+    sync(device)
+    return 1e3 * (time.perf_counter() - start)
 
 
 def _posts(schedule: Any, rank: int) -> int:
