@@ -35,6 +35,19 @@ def test_each_kind_takes_its_calls_median_ratios_forward_and_backward_apart():
     assert all(out[i][1] == done[i][1] for i in done)
 
 
+def test_backwards_take_the_joined_backward_over_the_calls_sum():
+    done = {0: (_call(1.0, 2.0), "embed"), 1: (_call(2.0, 4.0), "layer"),
+            2: (_call(2.0, 4.0), "layer")}
+    timed = order.InOrder([1.0, 2.0, 2.0], [2.0, 4.0, 4.0], joined_bwd_ms=8.0)  # 8 / 10
+    out = order.in_order(done, {}, timed)
+    times = [out[i][0].figures.times for i in range(3)]
+    assert [t.bwd_ms for t in times] == pytest.approx([1.6, 3.2, 3.2])
+    assert [t.bwd_weight_ms for t in times] == pytest.approx([0.8, 1.6, 1.6])
+    assert [t.fwd_ms for t in times] == pytest.approx([1.0, 2.0, 2.0])  # forwards as timed
+    unjoined = order.in_order(done, {}, order.InOrder([1.0, 2.0, 2.0], [2.0, 4.0, 4.0]))
+    assert unjoined[1][0].figures.times.bwd_ms == pytest.approx(4.0)
+
+
 def test_a_split_half_and_its_child_take_the_whole_calls_ratio():
     # call 1 was measured as P less its child C (call 2); in order it runs whole
     done = {0: (_call(1.0), "embed"), 1: (_call(3.0), "half"), 2: (_call(1.0), "half#out")}
@@ -51,7 +64,8 @@ def test_the_order_flush_times_like_the_model_flush_and_cuda_refuses_it():
     assert not make_backend("cpu", "model").times_in_order
     backend.size_flush(1 << 20)
     assert backend.flush_bytes == 1 << 20
-    assert backend.time_source.endswith("forwards scaled to their times in model order")
+    assert backend.time_source.endswith(
+        "forwards scaled to their times in model order, backwards to the model's one backward")
     with pytest.raises(ProfileError, match="expected auto, none, llc, model, order"):
         make_backend("cpu", "order2")
 
@@ -71,6 +85,8 @@ def test_the_profile_carries_the_in_order_forwards(monkeypatch):
     assert prof.setup.time_source.startswith("measured:")
     assert "forwards scaled to their times in model order" in prof.setup.time_source
     assert len(seen["timed"].fwd_ms) == len(seen["out"])
+    # the whole model as one graph backs up faster than its calls one by one
+    assert 0 < seen["timed"].joined_bwd_ms < 1.5 * sum(seen["timed"].bwd_ms)
     children = set(seen["splits"].values())  # run inside their split half, not on their own
     assert children
     for i, (fwd, bwd) in enumerate(zip(seen["timed"].fwd_ms, seen["timed"].bwd_ms)):

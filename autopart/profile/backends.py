@@ -139,7 +139,8 @@ class CPUBackend(Backend):
             f"measured: {clock}, the model's weights' worth read before each timed call "
             f"({self.flush_bytes / 2**20:.1f} MiB), then the call run on a copy of the "
             f"block's weights and its input touched")
-        sources["order"] = sources["model"] + "; forwards scaled to their times in model order"
+        sources["order"] = sources["model"] + ("; forwards scaled to their times in model "
+                                               "order, backwards to the model's one backward")
         self.time_source = sources[self.flush]
         self._flush = torch.ones(self.flush_bytes // 4, dtype=torch.float32)
 

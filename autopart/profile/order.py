@@ -30,7 +30,7 @@ from torch import nn
 from autopart.intake import BlockChain
 from autopart.profile.engines import AnalyticalEngine, MeasuringEngine
 from autopart.profile.materialize import materialize_block, weight_bytes
-from autopart.profile.tasks import ForwardRunner, make_task
+from autopart.profile.tasks import ForwardRunner, first_tensor, make_task, task_loss
 
 __all__ = []
 
@@ -96,6 +96,11 @@ class InOrder:
     fwd_ms: list[float]
     bwd_ms: list[float]
     """The call's full backward, run in reverse model order after the pass's forward."""
+    joined_bwd_ms: float = 0.0
+    """Median ms of the whole model's backward as one graph, one call from the loss, as
+    a stage runs its blocks' (0: not measured). Each call's own backward, from a leaf
+    input and a gradient handed to it, costs more: on this 2-core machine the calls'
+    sum was 10-25% over it (an engine start per call, a leaf gradient made per call)."""
 
 
 def time_in_order(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
@@ -155,25 +160,53 @@ def time_in_order(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
                 bwd[idx].append(ms)
             del out
 
+    def joined_pass() -> float:
+        """The model's forward with every call run on its copy and its output handed on,
+        so the whole model is one graph; returns its backward's ms."""
+        last = len(chain.call_fqns) - 1
+        loss: list[torch.Tensor] = []
+
+        def visit(idx: int, original: nn.Module, args: tuple, kwargs: dict) -> Any:
+            out = modules[id(original)](*args, **kwargs)
+            if idx == last:
+                loss.append(task_loss(chain, first_tensor(out, chain.call_fqns[idx]),
+                                      runner.labels.to(runner.device)))
+            return out
+
+        runner.run(visit, grad=True)
+        start = clock()
+        loss[0].backward()
+        ms = (clock() - start) * 1e3
+        for module in modules.values():
+            module.zero_grad(set_to_none=True)
+        return ms
+
     one_pass(False)
+    joined_pass()
+    joined: list[float] = []
     start = time.perf_counter()
     for _ in range(num_passes):
         one_pass(True)
+        joined.append(joined_pass())
         if time.perf_counter() - start > ORDER_BUDGET_S:
             break
     for module in modules.values():
         module.zero_grad(set_to_none=True)
     return InOrder([statistics.median(s) if s else 0.0 for s in fwd],
-                   [statistics.median(s) if s else 0.0 for s in bwd])
+                   [statistics.median(s) if s else 0.0 for s in bwd],
+                   joined_bwd_ms=statistics.median(joined))
 
 
 def in_order(done: dict[int, tuple[Any, str]], splits: dict[int, int],
              timed: InOrder) -> dict[int, tuple[Any, str]]:
     """``done`` (call -> (call figures, kind)) with every kind's forward scaled by the
     median, over its calls, of in-order ms / ms measured alone, and its backward (full,
-    B and W alike) by the same ratio of full backwards. A split half's call ``P``
+    B and W alike) by the same ratio of full backwards times the model's joined backward
+    over the sum of its calls' (``InOrder.joined_bwd_ms``). A split half's call ``P``
     (``splits``: P -> its child C) was measured as P less C and runs whole in order:
     both parts take P's ratios."""
+    summed = sum(timed.bwd_ms)
+    joined = timed.joined_bwd_ms / summed if timed.joined_bwd_ms > 0 and summed > 0 else 1.0
     child_of = {c: p for p, c in splits.items()}
     ratios: dict[tuple[str, str], list[float]] = {}
     for idx, (figures, kind) in done.items():
@@ -189,7 +222,7 @@ def in_order(done: dict[int, tuple[Any, str]], splits: dict[int, int],
     for idx, (figures, kind) in done.items():
         parent_kind = done[child_of[idx]][1] if idx in child_of else kind
         out[idx] = (_scaled(figures, kind_ratio.get((parent_kind, "fwd"), 1.0),
-                            kind_ratio.get((parent_kind, "bwd"), 1.0)), kind)
+                            kind_ratio.get((parent_kind, "bwd"), 1.0) * joined), kind)
     return out
 
 

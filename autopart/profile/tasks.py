@@ -13,6 +13,7 @@ next-token loss on HF causal LMs, ``output.float().pow(2).mean()`` otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -89,21 +90,26 @@ class ForwardRunner:
         self.labels = torch.randint(0, vocab, (micro_batch_size, seq_len))
 
     def run(self, visit: Visit, clock: Callable[[], float] | None = None,
-            grad: bool = False) -> tuple[float, float]:
+            grad: bool = False, mode_in_calls: bool = False) -> tuple[float, float]:
         """Call ``visit(call_idx, module, args, kwargs)`` for each block call, in order.
 
         ``visit`` returns the call's output as the model's code should see it (on
         the glue device). The model itself is only read. Returns ``clock()`` just
         before the calls are routed and just after they are restored (0, 0 without a
         clock): the span a pipeline stage's forward takes. ``grad``: the model's own code
-        records its graph too (else only the calls do).
+        records its graph too (else only the calls do). The model's code runs under
+        ``KeepOffMeta``; ``visit`` runs outside it, as a stage runs its own blocks,
+        unless ``mode_in_calls`` (a stage's stand-ins run under its ``Substitute``).
         """
         args, kwargs = example_inputs(self.model, self.chain.call_fqns, self.micro_batch_size,
                                       self.seq_len, self.glue_device, self.dtype)
         calls = self.chain.call_fqns
 
+        keep = KeepOffMeta()  # for the model's code: the visitor runs blocks outside it
+
         def handler(idx: int, module: nn.Module, original: Any, a: tuple, kw: dict) -> Any:
-            with torch.enable_grad():
+            with torch.enable_grad(), \
+                    (contextlib.nullcontext() if mode_in_calls else keep.paused()):
                 out = visit(idx, module, a, kw)
             return out
 
@@ -112,7 +118,7 @@ class ForwardRunner:
         try:
             start = clock()
             with (torch.enable_grad() if grad else torch.no_grad()), \
-                    intercept(self.model, calls, handler), KeepOffMeta():
+                    intercept(self.model, calls, handler), keep:
                 self.model(*args, **kwargs)
             end = clock()
         finally:
@@ -143,8 +149,10 @@ class ForwardRunner:
                 stand_ins[idx] = StandIn(module, shapes)
             return stand_ins[idx](args, kwargs, self.glue_device)
 
-        self._timed_forward(stand_in)  # the first run learns every stand-in's shapes on meta
-        stood = [self._timed_forward(stand_in) for _ in range(num_repeats)]
+        # the first run learns every stand-in's shapes on meta; a stage runs its
+        # stand-ins under a torch-function mode (``Substitute``), so they are timed under one
+        self._timed_forward(stand_in, mode_in_calls=True)
+        stood = [self._timed_forward(stand_in, mode_in_calls=True) for _ in range(num_repeats)]
         total = statistics.median(r.total_ms for r in recorded)
         return GlueTimes(
             total_ms=total, after_call_bytes=self._glue_saved_bytes(outputs),
@@ -184,8 +192,9 @@ class ForwardRunner:
             self.run(visit, grad=True)
         return tuple(saved)
 
-    def _timed_forward(self, answer: Visit) -> _TimedForward:
-        """One forward with every call answered by ``answer``; its times (see ``time_glue``)."""
+    def _timed_forward(self, answer: Visit, mode_in_calls: bool = False) -> _TimedForward:
+        """One forward with every call answered by ``answer``; its times (see ``time_glue``;
+        ``mode_in_calls``: see ``run``)."""
         n = len(self.chain.call_fqns)
         spans: list[tuple[int, float, float]] = []  # (call, enter, leave) in call order
         clock = time.perf_counter
@@ -200,7 +209,8 @@ class ForwardRunner:
             spans.append((idx, enter, clock()))
             return out
 
-        start, end = self.run(visit, clock=lambda: (sync(), clock())[1])
+        start, end = self.run(visit, clock=lambda: (sync(), clock())[1],
+                              mode_in_calls=mode_in_calls)
         after, call = [0.0] * n, [0.0] * n  # calls never made (a split's C) keep 0
         for k, (idx, enter, leave) in enumerate(spans):
             after[idx] = 1e3 * ((spans[k + 1][1] if k + 1 < len(spans) else end) - leave)
@@ -336,18 +346,13 @@ def make_task(chain: BlockChain, call_idx: int, module: nn.Module, args: tuple, 
     context = tuple(leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
                     and i not in positions)
     last = call_idx == len(chain.call_fqns) - 1
-    hf = chain.family == "hf_causal_lm"
     target = labels.to(device) if device.type != "meta" else torch.empty_like(labels,
                                                                                device="meta")
 
     def run(value: torch.Tensor) -> torch.Tensor:
         a, kw = replace_leaves(args, kwargs, {i: value for i in positions})
-        out = _first_tensor(module(*a, **kw), record.fqn)
-        if not last:
-            return out
-        if hf:
-            return causal_lm_loss(out, target)
-        return out.float().pow(2).mean()
+        out = first_tensor(module(*a, **kw), record.fqn)
+        return task_loss(chain, out, target) if last else out
 
     def on_meta(meta_module: nn.Module) -> BlockTask:
         return make_task(chain, call_idx, meta_module, args, kwargs, torch.device("meta"),
@@ -378,7 +383,20 @@ def _buffers_to(model: nn.Module, calls: list[str], device: torch.device) -> lis
     return moved
 
 
-def _first_tensor(out: object, fqn: str) -> torch.Tensor:
+def task_loss(chain: BlockChain, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss the profile's last call ends in: the causal-LM loss of a Hugging Face
+    model's logits on ``labels``, else the mean square of the output."""
+    if chain.family == "hf_causal_lm":
+        return causal_lm_loss(out, labels)
+    return out.float().pow(2).mean()
+
+
+def first_tensor(out: object, fqn: str) -> torch.Tensor:
+    """The first tensor of a block's output (``fqn`` names the block when there is none).
+
+    Raises:
+        ProfileError: the output holds no tensor.
+    """
     if isinstance(out, torch.Tensor):
         return out
     for leaf in tree_flatten(out)[0]:
