@@ -246,9 +246,14 @@ def _with_blocks(plan, scale: dict[str, float]) -> list[RankResult]:
 def test_block_report_and_error_drivers(profile, plan):
     """Per-block medians land in the report in stage order; the driver of a stage's forward
     error is the block measured furthest from its profile, and outside blocks is what the
-    stage's prediction holds beyond its blocks."""
+    stage's prediction holds beyond its blocks and the code after each."""
     from autopart.verify.attribution import block_errors, error_drivers
 
+    blocks = tuple(dataclasses.replace(b, glue_after_ms=0.05 * (i + 1))  # code after each
+                   for i, b in enumerate(profile.blocks))
+    profile = dataclasses.replace(profile, blocks=blocks, setup=dataclasses.replace(  # and a
+        profile.setup, glue_fwd_ms=sum(b.glue_after_ms for b in blocks) + 0.3))  # lead of 0.3
+    plan = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b")
     results = _with_blocks(plan, {"model.layers.2": 4.0})
     report = build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0), results)
     stage0 = plan.stages[0]
@@ -257,11 +262,14 @@ def test_block_report_and_error_drivers(profile, plan):
     errors = {(e.stage, e.block): e for e in block_errors(report, profile)}
     by_name = {b.name: b for b in profile.blocks}
     layer = errors[0, "model.layers.2"]
-    assert layer.predicted_fwd_ms == pytest.approx(by_name["model.layers.2"].fwd_ms)
-    assert layer.measured_fwd_ms == 4.0 and layer.delta_ms == pytest.approx(1.0 - 4.0)
+    own = {n: b.fwd_ms + b.glue_after_ms for n, b in by_name.items()}  # a block's row runs
+    assert layer.predicted_fwd_ms == pytest.approx(own["model.layers.2"], abs=1e-4)
+    assert layer.measured_fwd_ms == 4.0
+    assert layer.delta_ms == pytest.approx(own["model.layers.2"] - 4.0, abs=1e-4)
     rest = errors[0, OUTSIDE]
     assert rest.predicted_fwd_ms == pytest.approx(
-        stage0.fwd_ms - sum(by_name[m].fwd_ms for m in stage0.modules), abs=1e-4)
+        stage0.fwd_ms - sum(own[m] for m in stage0.modules), abs=1e-4)
+    assert rest.predicted_fwd_ms >= 0.3
     drivers = error_drivers(report, profile, top=2)
     assert drivers[0][0].block == "model.layers.2" and len(drivers[0]) == 2
     assert sorted(drivers) == [0, 1]

@@ -5,9 +5,11 @@
 ``block_errors`` puts each block's measured forward beside its profiled one, and
 ``error_drivers`` orders them by how many milliseconds they add to (or take from) the
 stage's forward error. What the stage's forward spends outside its blocks (predicted:
-the model's code between blocks and the runtime's per-action cost; measured: before its
-first block starts) is one more row, ``(outside blocks)``. Backward is not split: its
-error is the stage's alone.
+the model's code before its first block, the stand-ins of the blocks before it and the
+runtime's per-action cost; measured: before its first block starts) is one more row,
+``(outside blocks)``; the model's code after a block, up to the next, is the block's, on
+both sides (the run's block rows end where the next block starts). Backward is not
+split: its error is the stage's alone.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class BlockError:
 def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
     """Every block of every stage, profiled forward beside the forward measured in the run.
 
-    A block that is a part of a module's call (a head shard, a unit slice) is predicted at
-    its share of that module's profiled forward; blocks ending in one module are summed.
+    A block's profiled forward includes the model's code after it up to the next call
+    (``BlockProfile.glue_after_ms``), as its measured one does. A block that is a part of
+    a module's call (a head shard, a unit slice) is predicted at its share of that
+    module's; blocks ending in one module are summed.
 
     Args:
         report: A run report with per-block forwards (``RunReport.blocks``).
@@ -63,7 +67,7 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
         for name in stage.modules:
             parts = tuple(report.parts.get(name, ()))
             share = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
-            ms = share * sum(profile.blocks[i].fwd_ms
+            ms = share * sum(profile.blocks[i].fwd_ms + profile.blocks[i].glue_after_ms
                              for i in covered_blocks(profile, name, parts))
             key = (stage.index, block_module_name(name))
             predicted[key] = predicted.get(key, 0.0) + ms
