@@ -122,26 +122,6 @@ class Run:
     report: RunReport
     predicted: dict[str, Plan] = field(default_factory=dict)
     """Method -> the plan with the same cuts predicted from that method's profile."""
-    drift: float = 1.0
-    """``machine_speed_ms`` just before this run over the same just before its profile:
-    above 1, the machine had got slower since the profile."""
-
-
-def machine_speed_ms(repeats: int = 15) -> float:
-    """Median ms of a fixed workload on this thread, alone: matrix products and a copy of
-    32 MiB (compute and memory). The sweep runs it just before each profile and each run;
-    their ratio (``Run.drift``) is how much the machine itself sped up or slowed down in
-    between, which no profile can foresee."""
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
-    src, dst = torch.ones(8 << 20), torch.empty(8 << 20)
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        for _ in range(8):
-            a @ b
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[2:])
 
 
 def _round8(n: int) -> int:
@@ -210,9 +190,7 @@ def run_errors(run: Run, method: str) -> dict[str, list[float]]:
     """The step, stage F, stage B and memory errors of one run under one method's plan."""
     plan, report = run.predicted[method], run.report
     out: dict[str, list[float]] = {
-        "step": [rel(plan.predicted_step_ms, report.measured_step_ms)],
-        "step, drift-adjusted": [rel(plan.predicted_step_ms * run.drift,
-                                     report.measured_step_ms)], "F": [], "B": [],
+        "step": [rel(plan.predicted_step_ms, report.measured_step_ms)], "F": [], "B": [],
         "F cpu": [], "B cpu": [],
         "memory": [rel(r.predicted_peak_memory_bytes, r.measured_peak_memory_bytes)
                    for r in report.ranks]}
@@ -256,16 +234,15 @@ def summary_rows(runs: list[Run], methods: list[str]) -> list[list[str]]:
     """One row per method: the distributions of each error over every run."""
     rows = []
     for method in methods:
-        pooled: dict[str, list[float]] = {"step": [], "step, drift-adjusted": [], "F": [],
-                                          "B": [], "F cpu": [], "B cpu": [], "memory": []}
+        pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "F cpu": [],
+                                          "B cpu": [], "memory": []}
         for run in runs:
             if method in run.predicted:
                 for key, values in run_errors(run, method).items():
                     pooled[key] += values
         speed = [rel(p, m) for _, _, m, p in speedup_errors(runs, method)]
         rows.append([method, str(len(pooled["step"])), distribution(pooled["step"]),
-                     distribution(pooled["step, drift-adjusted"]), distribution(pooled["F"]),
-                     distribution(pooled["B"]),
+                     distribution(pooled["F"]), distribution(pooled["B"]),
                      distribution(pooled["F cpu"]), distribution(pooled["B cpu"]),
                      distribution(speed), distribution(pooled["memory"])])
     return rows
@@ -289,7 +266,6 @@ def run_rows(runs: list[Run], method: str) -> list[list[str]]:
         rows.append([run.shape, run.schedule, run.partition,
                      f"{plan.predicted_step_ms:.1f}", f"{run.report.measured_step_ms:.1f}",
                      f"{100 * errors['step'][0]:+.1f}%",
-                     f"{100 * (run.drift - 1):+.1f}%",
                      f"{100 * run.report.measured_step_ms_spread:.1f}%",
                      " ".join(f"{100 * e:+.0f}%" for e in errors["F"]),
                      " ".join(f"{100 * e:+.0f}%" for e in errors["B"]),
@@ -343,7 +319,6 @@ def main() -> None:
             settings_of[shape.name] = RunSettings(model=source, steps=args.steps,
                                                   warmup=args.warmup, threads_per_rank=threads)
             profiles = {}
-            probe = machine_speed_ms()
             for name, method in zip(names, methods):
                 began = time.perf_counter()
                 profiles[name] = take_profile(source, shape, method, threads)
@@ -355,10 +330,8 @@ def main() -> None:
                     plan = make_plan(profiles[names[0]], pp_size=2,
                                      num_microbatches=args.microbatches, schedule=schedule,
                                      virtual_stages=v, partition=partition)
-                    drift = machine_speed_ms() / probe
                     report = verify_plan(plan, settings_of[shape.name])
-                    run = Run(shape.name, schedule, partition, report, {names[0]: plan},
-                              drift=drift)
+                    run = Run(shape.name, schedule, partition, report, {names[0]: plan})
                     for name in names[1:]:
                         try:
                             run.predicted[name] = same_cuts(profiles[name], plan)
@@ -369,8 +342,7 @@ def main() -> None:
                     print(f"{shape.name:>34} {schedule:>16} {partition:>7}: predicted "
                           f"{plan.predicted_step_ms:8.1f} ms, measured "
                           f"{report.measured_step_ms:8.1f} ms "
-                          f"({100 * report.step_error:+.1f}%), drift {100 * (drift - 1):+.1f}%, "
-                          f"cpu/busy {cpu_share(report):.2f}, "
+                          f"({100 * report.step_error:+.1f}%), cpu/busy {cpu_share(report):.2f}, "
                           f"load {loads[-1]:.2f}",
                           flush=True)
             if args.loop:
@@ -391,8 +363,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     shape, so a sweep cut short keeps what it measured); print them when ``final``."""
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - start
-    header = ["method", "runs", "step", "step, drift-adjusted", "stage F", "stage B",
-              "stage F vs CPU time",
+    header = ["method", "runs", "step", "stage F", "stage B", "stage F vs CPU time",
               "stage B vs CPU time", "speed-up", "memory"]
     summary = summary_rows(runs, names)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
@@ -407,16 +378,12 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "
             "time\": against the stage's thread CPU time, which a rank descheduled by other "
             "load does not accrue; cpu/busy: the lowest rank's CPU time over its compute "
-            "spans (1: never descheduled); drift: a fixed workload's time just before the "
-            "run over just before its profile (`machine_speed_ms`: + the machine got "
-            "slower); drift-adjusted: the prediction times the drift, a diagnostic of how "
-            "much of the error is the machine's own change of speed, not a prediction:", "",
+            "spans (1: never descheduled):", "",
             markdown_table(header, summary)]
     for name in names:
         text += ["", f"Runs, predicted from the profile taken with {name}:", "",
                  markdown_table(["shape", "schedule", "split", "pred ms", "meas ms", "step err",
-                                 "drift", "spread", "stage F err", "stage B err", "memory err",
-                                 "cpu/busy"],
+                                 "spread", "stage F err", "stage B err", "memory err", "cpu/busy"],
                                 run_rows(runs, name))]
         speed = speedup_errors(runs, name)
         text += ["", markdown_table(
@@ -436,7 +403,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
              "loads": loads, "summary": summary,
              "runs": [{"shape": r.shape, "schedule": r.schedule, "partition": r.partition,
                        "measured_step_ms": r.report.measured_step_ms,
-                       "cpu_share": cpu_share(r.report), "drift": r.drift,
+                       "cpu_share": cpu_share(r.report),
                        "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
              "loop": loop_rows}, indent=1))
 

@@ -47,20 +47,3 @@ def test_distribution_is_median_p90_worst_of_magnitudes():
     values = [0.01 * i * (-1) ** i for i in range(1, 11)]  # 1% .. 10%, signs alternating
     assert timing_sweep.distribution(values) == "5.5% / 9.0% / 10.0%"
     assert timing_sweep.distribution([]) == "-"
-
-
-def test_drift_scales_the_prediction_only_in_its_own_column():
-    """A run whose machine got 10% slower since its profile: the step error is the raw
-    one, the drift-adjusted error compares the prediction times 1.1."""
-    from types import SimpleNamespace
-
-    plan = SimpleNamespace(predicted_step_ms=100.0, stages=())
-    report = SimpleNamespace(measured_step_ms=110.0, ranks=(), stages=())
-    run = timing_sweep.Run("s", "1f1b", "optimal", report, {"m": plan}, drift=1.1)
-    errors = timing_sweep.run_errors(run, "m")
-    assert errors["step"] == [pytest.approx(-10 / 110)]
-    assert errors["step, drift-adjusted"] == [pytest.approx(0.0)]
-
-
-def test_the_machine_speed_probe_is_a_positive_time():
-    assert 0 < timing_sweep.machine_speed_ms(repeats=3) < 10_000
