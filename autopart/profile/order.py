@@ -162,7 +162,8 @@ def time_in_order(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
 
     def joined_pass() -> float:
         """The model's forward with every call run on its copy and its output handed on,
-        so the whole model is one graph; returns its backward's ms."""
+        so the whole model is one graph; returns its backward's ms (0 when no weight
+        feeds the loss: the calls' own backwards stand)."""
         last = len(chain.call_fqns) - 1
         loss: list[torch.Tensor] = []
 
@@ -174,6 +175,8 @@ def time_in_order(model: nn.Module, chain: BlockChain, runner: ForwardRunner,
             return out
 
         runner.run(visit, grad=True)
+        if not (loss and loss[0].requires_grad):  # nothing trainable feeds the loss
+            return 0.0
         start = clock()
         loss[0].backward()
         ms = (clock() - start) * 1e3
