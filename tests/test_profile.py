@@ -184,7 +184,7 @@ def test_blocks_run_outside_the_glue_s_torch_function_mode():
     as the runtime's do not (the mode cost a fifth of a small model's forward)."""
     from autopart.intake import discover_blocks
     from autopart.intake.forward import KeepOffMeta
-    from autopart.profile.tasks import ForwardRunner
+    from autopart.profile.runner import ForwardRunner
 
     model = load_model("tiny-llama").model
     chain = discover_blocks(model)

@@ -30,7 +30,8 @@ from torch import nn
 from autopart.intake import BlockChain
 from autopart.profile.engines import AnalyticalEngine, MeasuringEngine
 from autopart.profile.materialize import materialize_block, weight_bytes
-from autopart.profile.tasks import ForwardRunner, first_tensor, make_task, task_loss
+from autopart.profile.runner import ForwardRunner
+from autopart.profile.tasks import first_tensor, make_task, task_loss
 
 __all__ = []
 

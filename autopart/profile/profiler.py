@@ -42,8 +42,9 @@ from autopart.profile.neighbours import busy_neighbours
 from autopart.profile.noise import load_average, recheck
 from autopart.profile.options import ProfileOptions
 from autopart.profile.order import OrderPass, order_pass
+from autopart.profile.runner import ForwardRunner
 from autopart.profile.slice_checks import SliceChecks
-from autopart.profile.tasks import ForwardRunner, make_task
+from autopart.profile.tasks import make_task
 from autopart.profile.validate import TORCH_DTYPES, check_settings, check_shapes
 from autopart.schema import BlockProfile, Profile, ProfileSetup
 
