@@ -49,7 +49,9 @@ def test_profiling_cost_barely_grows_with_depth(one_thread, steady_machine):
     with tempfile.TemporaryDirectory() as tmp:
         small, large = bench.write_config(Path(tmp), 4, 128), bench.write_config(Path(tmp), 48, 128)
         bench.time_profile(small, 64, 1, "none")
-        t4, n4 = bench.time_profile(small, 64, 5, "none")
-        t48, n48 = bench.time_profile(large, 64, 5, "none")
+        # the best of two profiles each: one profile of a second is at the mercy of a
+        # neighbour's burst (a clean-clone CI once read 0.77 s against 0.25 s)
+        (t4, n4), (t48, n48) = (min(bench.time_profile(config, 64, 5, "none")
+                                    for _ in range(2)) for config in (small, large))
     assert n4 == n48, (n4, n48)  # identical layers measured once at any level
     assert t48 < 2.0 * t4 + 0.2, (t4, t48)
