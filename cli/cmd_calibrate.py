@@ -1,8 +1,9 @@
 """``autopart calibrate``: fold a verified run into a profile, or check this machine once.
 
 ``autopart calibrate PROFILE RUN.json --out OUT`` scales every block of each stage
-by that stage's measured / predicted F, B and W (``autopart.verify.calibrate_profile``)
-and writes the calibrated profile; the next ``autopart plan`` on it plans with the
+by that stage's measured / predicted F, B and W, and prices each send or receive as
+the run measured it (``autopart.verify.calibrate_profile``), and writes the calibrated
+profile; the next ``autopart plan`` on it plans with the
 measured times. ``autopart calibrate --machine [--threads N | --pp N]`` measures the
 pipeline runtime's own cost and the local link once (``autopart.verify.check_machine``)
 and caches it; ``autopart profile`` records it in every profile it takes here.
@@ -63,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"stage {f['stage']} ({f['first_block']} .. {f['last_block']}): "
                       f"F x{f['fwd']:.3f}, B x{f['bwd_input']:.3f}, W x{f['bwd_weight']:.3f}",
                       highlight=False)
+    post = calibrated.calibration.get("post")
+    if post:
+        console.print(f"per send or receive posted ({post['field']}): {post['before_ms']:.3f} "
+                      f"-> {post['after_ms']:.3f} ms, the run's time outside its actions and "
+                      f"waits", highlight=False)
     console.print(f"calibrated profile written to {args.out}")
     return 0
 

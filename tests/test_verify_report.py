@@ -353,6 +353,37 @@ def test_calibration_leaves_what_stages_pay_outside_their_blocks(profile):
         assert stage.bwd_ms == pytest.approx(measured.measured_bwd_ms)
 
 
+def test_calibration_prices_posts_as_the_run_measured_them(profile):
+    """The ranks' time outside actions and waits, less the check's per-step work, over
+    the posts each made (one cut: 2 per microbatch), median over the ranks, becomes the
+    price per post of a single-stage schedule; the multi-stage price moves by as much."""
+    from autopart.schema import RuntimeOverhead
+    from autopart.verify.calibrate import measured_post_ms
+
+    check = RuntimeOverhead(fwd_action_ms=0.05, bwd_action_ms=0.07, p2p_ms=0.06, step_ms=0.2,
+                            link_latency_ms=0.01, link_bandwidth_bytes_per_s=50e9,
+                            backend="gloo", num_threads=1, runtime_p2p_ms=0.3)
+    checked = dataclasses.replace(profile, runtime_overhead=check)
+    planned = make_plan(checked, pp_size=2, num_microbatches=4, schedule="1f1b")
+    run = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0),
+                       [_rank_result(planned, 1, 3.0), _rank_result(planned, 0, 2.0)])
+    run = dataclasses.replace(run, ranks=tuple(
+        dataclasses.replace(r, measured_step_ms=r.measured_busy_ms + r.measured_wait_ms + extra)
+        for r, extra in zip(run.ranks, (6.2, 10.2))))
+    assert sorted(r.measured_outside_ms for r in run.ranks) == pytest.approx([6.2, 10.2])
+    expected = ((6.2 + 10.2) / 2 - 0.2) / (2 * 4)
+    assert measured_post_ms(run, check) == pytest.approx(expected)
+    calibrated = calibrate_profile(checked, run, planned)
+    assert calibrated.runtime_overhead.p2p_ms == pytest.approx(expected, abs=1e-4)
+    shifted = round(0.3 + expected - 0.06, 4)
+    assert calibrated.runtime_overhead.runtime_p2p_ms == pytest.approx(shifted)
+    assert calibrated.calibration["post"] == {
+        "field": "p2p_ms", "before_ms": 0.06, "after_ms": round(expected, 4),
+        "other_prices": {"runtime_p2p_ms": [0.3, shifted]}}
+    assert measured_post_ms(run, None) is None
+    assert calibrate_profile(profile, run).runtime_overhead is None
+
+
 def test_outside_is_the_step_less_actions_and_waits(report):
     for rank in report.ranks:
         assert rank.measured_outside_ms == pytest.approx(

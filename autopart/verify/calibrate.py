@@ -6,17 +6,29 @@ split-backward schedules, else both by the full backward's (``bwd_ms`` follows).
 stage's prediction is its blocks plus what it pays outside them (the runtime's per-action
 cost, the model's glue and stand-ins: ``autopart.cost.stage``), which calibration leaves
 as they are; so the factor is (measured - outside) / blocks, and planning the same cuts
-again predicts what was measured. Memory figures are left as they are. The factors and
-the run they came from are recorded in ``Profile.calibration``.
+again predicts what was measured. Memory figures are left as they are.
+
+What a rank spends outside its actions and p2p waits (``RankReport.measured_outside_ms``:
+posting sends and receives, the schedule's bookkeeping) is priced by the machine check
+per post, measured on stages that compute little; on a real model's run a post can cost
+far more (on a 2-core machine a post of a 2-rank run waits for a core the other rank's
+compute holds). The run's own figure replaces the check's: (outside - the per-step
+work) / the posts the rank made, median over the ranks, for the run's kind of schedule
+(``p2p_ms`` single-stage, ``runtime_p2p_ms`` multi-stage: ``RuntimeOverhead``), and the
+other kind's price moves by the same difference (the wait for a core is the machine's and
+the model's, not the runtime's). The factors, the post prices and the run they came from
+are recorded in ``Profile.calibration``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 from autopart.errors import SchemaError
-from autopart.schema import BlockProfile, Part, Plan, Profile
+from autopart.schedules import schedule_info
+from autopart.schema import BlockProfile, Part, Plan, Profile, RuntimeOverhead
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
 __all__ = ["calibrate_profile"]
@@ -29,7 +41,9 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     Every block of a stage has its F, B and W times scaled by that stage's measured /
     predicted ratio, so planning again from the result predicts what was measured. A
     head split into vocabulary shards over several stages gets the mean of their
-    ratios, each weighted by its share of the vocabulary.
+    ratios, each weighted by its share of the vocabulary. The runtime's price per post
+    of the report's kind of schedule becomes the one the run measured
+    (``measured_post_ms``), where the report has the ranks' own steps.
 
     Args:
         profile: The profile the plan was made from.
@@ -73,7 +87,41 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
               "predicted_step_ms": report.predicted_step_ms,
               "measured_step_ms": report.measured_step_ms, "factors": factors,
               "previous": previous}
-    return dataclasses.replace(profile, blocks=tuple(blocks), calibration=record)
+    overhead = profile.runtime_overhead
+    post = measured_post_ms(report, overhead)
+    if overhead is not None and post is not None:
+        field = "runtime_p2p_ms" if schedule_info(report.schedule).multi_stage else "p2p_ms"
+        shift = post - getattr(overhead, field)
+        prices = {"p2p_ms": overhead.p2p_ms, "runtime_p2p_ms": overhead.runtime_p2p_ms}
+        moved = {key: round(max(value + shift, 0.0), 4) for key, value in prices.items()
+                 if value > 0 or key == field}
+        record["post"] = {"field": field, "before_ms": getattr(overhead, field),
+                          "after_ms": moved[field], "other_prices": {
+                              key: [prices[key], value] for key, value in moved.items()
+                              if key != field}}
+        overhead = dataclasses.replace(overhead, **moved)
+    return dataclasses.replace(profile, blocks=tuple(blocks), calibration=record,
+                               runtime_overhead=overhead)
+
+
+def measured_post_ms(report: RunReport, overhead: RuntimeOverhead | None) -> float | None:
+    """The run's price per send or receive a rank posts: its time outside actions and
+    waits, less the check's per-step work, over the posts it made (two per microbatch
+    for each of its stages' neighbours on another rank: F's and B's), median over the
+    ranks that posted. ``None`` without a machine check or the ranks' own steps."""
+    if overhead is None:
+        return None
+    rank_of = {stage.index: stage.rank for stage in report.stages}
+    last = max(rank_of, default=0)
+    per_post = []
+    for rank in report.ranks:
+        outside = rank.measured_outside_ms
+        cuts = sum(rank_of.get(t, rank.rank) != rank.rank
+                   for s in rank.stages for t in (s - 1, s + 1) if 0 <= t <= last)
+        posts = 2 * cuts * report.num_microbatches
+        if outside is not None and posts:
+            per_post.append(max(outside - overhead.step_ms, 0.0) / posts)
+    return statistics.median(per_post) if per_post else None
 
 
 def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
