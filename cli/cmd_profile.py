@@ -18,13 +18,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autopart.errors import ProfileError
+from autopart.errors import AutopartError, ProfileError
 from autopart.intake.blocks import DISCOVERY_LEVELS
 from autopart.jsonio import check_writable
 from autopart.profile import ProfileOptions, list_devices, profile_model
 from autopart.schema import Profile
 from autopart.schema.parts import LEVEL_ALIASES
 from autopart.verify.machine import machine_check_for
+from autopart.verify.rehearse import rehearse
 
 from ._progress import progress_bar
 
@@ -78,6 +79,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="wall (perf_counter); thread (cpu, one thread): the thread's CPU "
                         "time, which waiting for a core on a shared machine does not add "
                         "to; auto (default): thread on one-thread cpu profiles, else wall")
+    p.add_argument("--no-rehearsal", action="store_true",
+                   help="CPU with --pp N (N >= 2): keep the blocks as measured; by default "
+                        "a few steps of the model's even split run on N local ranks and "
+                        "every block is scaled by its stage's measured / predicted time "
+                        "(autopart.verify.rehearse)")
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help="CPU: neighbour processes busy while measuring (default: N - 1 with "
                         "--pp N, else 0; 0 measures alone)")
@@ -102,6 +108,15 @@ def run(args: argparse.Namespace) -> int:
     check = machine_check_for(profile)
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)
+    rehearsal, checked, not_rehearsed = None, profile, ""
+    if _rehearses(args):
+        try:
+            with progress_bar("rehearsing") as progress:
+                rehearsal = rehearse(profile, args.model, args.pp, progress=progress)
+            profile = rehearsal.profile
+        except AutopartError as exc:  # the profile stands as measured, and says why
+            not_rehearsed = (f"not rehearsed ({exc}); the blocks stay as measured: verify a "
+                             f"plan and calibrate, or profile with --no-rehearsal")
     out = args.out or Path.cwd() / default_filename(profile)
     profile.save(out)
     if args.json:
@@ -113,10 +128,20 @@ def run(args: argparse.Namespace) -> int:
         console.print(summary_table(profile))
         for note in profile.model.notes:
             console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
-        _print_machine_check(profile, console)
+        _print_machine_check(checked, console)
+        if rehearsal is not None:
+            console.print(rehearsal.summary, soft_wrap=True, highlight=False, markup=False)
         _print_noise(profile, console)
+    if not_rehearsed:
+        Console(stderr=True).print(f"note: {not_rehearsed}", soft_wrap=True, highlight=False,
+                                   markup=False)
     Console(stderr=True).print(f"wrote {out}", soft_wrap=True, highlight=False)
     return 0
+
+
+def _rehearses(args: argparse.Namespace) -> bool:
+    """Whether to rehearse: ``--pp N`` (N >= 2) on CPU, unless ``--no-rehearsal``."""
+    return args.backend == "cpu" and (args.pp or 1) >= 2 and not args.no_rehearsal
 
 
 def profile_options(args: argparse.Namespace) -> ProfileOptions:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -62,8 +63,6 @@ def _tiny_json() -> str:
 def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatch, capsys,
                                                             one_thread):
     """--pp N profiles at cores / N threads and takes the cached check for that count."""
-    import os
-
     from autopart.schema import RuntimeOverhead
     from autopart.verify import save_cached_overhead
 
@@ -75,12 +74,47 @@ def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatc
     save_cached_overhead(check)
     out_path = tmp_path / "p.json"
     assert main(["profile", "tiny-llama", "--pp", "2", "--neighbours", "0", *FAST,
-                 "--out", str(out_path)]) == 0
+                 "--no-rehearsal", "--out", str(out_path)]) == 0
     profile = Profile.load(out_path)
     assert profile.setup.num_threads == threads
     assert profile.setup.neighbours == 0
     assert profile.runtime_overhead == check
+    assert not profile.calibration
     assert "runtime overhead (machine check" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, capsys,
+                                                     one_thread):
+    """--pp 2 on CPU runs the even split on 2 local ranks and scales the blocks by it:
+    planning those cuts again predicts what ran, and the posts carry the run's price."""
+    from autopart.schema import RuntimeOverhead
+    from autopart.solve import make_plan
+    from autopart.verify import save_cached_overhead
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    check = RuntimeOverhead(fwd_action_ms=0.01, bwd_action_ms=0.01, p2p_ms=0.0001,
+                            step_ms=0.0, link_latency_ms=0.01, link_bandwidth_bytes_per_s=2e9,
+                            backend="gloo", num_threads=threads, runtime_p2p_ms=0.2)
+    save_cached_overhead(check)
+    out_path = tmp_path / "p.json"
+    assert main(["profile", "tiny-llama", "--pp", "2", "--neighbours", "0", *FAST,
+                 "--out", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    profile = Profile.load(out_path)
+    record = profile.calibration
+    assert record["source"].startswith("rehearsal: even split, 1F1B, m 4")
+    assert "then rehearsed (even split" in profile.setup.time_source
+    assert "rehearsal (even split, 1F1B, m 4" in out and "folded in: stage 0 F x" in out
+    assert len(record["factors"]) == 2 and record["post"]["field"] == "p2p_ms"
+    assert profile.runtime_overhead.p2p_ms == record["post"]["after_ms"] > 0.0001
+    assert profile.runtime_overhead.runtime_p2p_ms == pytest.approx(
+        0.2 + profile.runtime_overhead.p2p_ms - 0.0001, abs=1e-3)
+    even = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
+                     partition="even")
+    measured = record["measured_step_ms"]
+    assert abs(even.predicted_step_ms - measured) < abs(record["predicted_step_ms"] - measured)
 
 
 def test_no_machine_check_says_how_to_run_one(tmp_path, monkeypatch, capsys, one_thread):

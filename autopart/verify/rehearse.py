@@ -1,0 +1,88 @@
+"""The rehearsal: a CPU profile checked against a short run of the model's even split.
+
+On a CPU machine that hosts the pipeline's ranks, blocks measured one at a time (beside
+busy neighbours, again in model order) still run 5-15% faster than inside a two-rank
+pipeline's stages, and a real run's sends and receives cost more than the machine
+check's stages that compute little; the cause of the first is not found
+(``docs/timing-sweep.md``). ``rehearse`` therefore runs what a user would verify first:
+the model's even split under 1F1B, ``2 x pp`` microbatches, a few steps on the ranks the
+profile was taken for (``verify_plan``), and folds the run into the profile
+(``calibrate_profile``): every block of a stage scaled by the stage's measured /
+predicted F and B, and the price per post the run measured. ``autopart profile --pp N``
+does it on CPU; ``--no-rehearsal`` keeps the blocks as measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopart.schema import Profile
+from autopart.verify.calibrate import calibrate_profile
+from autopart.verify.run import ProgressFn, verify_plan
+from autopart.verify.worker import RunSettings
+
+__all__ = ["REHEARSAL_STEPS", "Rehearsal", "rehearse"]
+
+REHEARSAL_STEPS = 3
+"""Timed steps of the rehearsal (after ``REHEARSAL_WARMUP``): the median is kept."""
+REHEARSAL_WARMUP = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rehearsal:
+    """The profile with the run folded in, and what the run showed."""
+
+    profile: Profile
+    predicted_step_ms: float
+    measured_step_ms: float
+    num_microbatches: int
+    summary: str
+    """One line: the run, its step against the prediction, the factors folded in."""
+
+
+def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEARSAL_STEPS,
+             warmup: int = REHEARSAL_WARMUP, progress: ProgressFn | None = None) -> Rehearsal:
+    """Run the even split of ``profile``'s model on ``pp_size`` local ranks and fold the
+    run into the profile (module docstring).
+
+    Args:
+        profile: A CPU profile of ``source`` (its threads are each rank's).
+        source: The model, as ``autopart profile`` took it (preset, HF config path, ...).
+        pp_size: Ranks this machine will host (``autopart profile --pp``).
+        steps: Timed steps.
+        warmup: Untimed steps first.
+        progress: ``progress(done, total, what)``, as ``verify_plan`` reports it.
+
+    Returns:
+        The ``Rehearsal``; its profile's ``time_source`` ends with what was folded in and
+        its ``calibration`` records the run.
+
+    Raises:
+        AutopartError: One line, where the even split cannot be planned (more ranks than
+            blocks, memory) or the run fails.
+    """
+    from autopart.solve import make_plan
+
+    plan = make_plan(profile, pp_size=pp_size, num_microbatches=2 * pp_size,
+                     schedule="1f1b", virtual_stages=1, partition="even")
+    settings = RunSettings(model=source, steps=steps, warmup=warmup,
+                           threads_per_rank=max(1, profile.setup.num_threads))
+    report = verify_plan(plan, settings, progress=progress)
+    what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
+            f"local ranks")
+    calibrated = calibrate_profile(profile, report, plan, source=f"rehearsal: {what}")
+    record = calibrated.calibration
+    factors = ", ".join(f"stage {f['stage']} F x{f['fwd']:.2f} B x{f['bwd_input']:.2f}"
+                        for f in record["factors"])
+    post = record.get("post")
+    posts = (f", {post['before_ms']:.3f} -> {post['after_ms']:.3f} ms per send or receive"
+             if post else "")
+    setup = dataclasses.replace(calibrated.setup, time_source=(
+        f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
+        f"stage's measured / predicted F and B, posts priced as run"))
+    summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
+               f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}")
+    return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup),
+                     predicted_step_ms=report.predicted_step_ms,
+                     measured_step_ms=report.measured_step_ms,
+                     num_microbatches=plan.num_microbatches, summary=summary)
