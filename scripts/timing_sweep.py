@@ -5,7 +5,8 @@ from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 51
 32k, several micro-batch and sequence sizes) it does what the README tells a user:
 
 1. ``autopart profile CONFIG --pp 2`` (one thread, one busy neighbour), with this
-   machine's runtime check attached (``autopart calibrate --machine --pp 2``, cached);
+   machine's runtime check attached (``autopart calibrate --machine --pp 2``, cached)
+   and the rehearsal folded in (``autopart.verify.rehearse``: the even split's run);
 2. ``autopart plan`` for pp 2 under 1F1B (v 1) and Interleaved 1F1B (v 2), each as the
    plan (``optimal``) and as the even split;
 3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code).
@@ -18,9 +19,9 @@ per-rank memory error, with the 1-minute load average before and after.
 ``--methods`` compares profiling methods on the same runs: the plans come from the first
 method; each other method profiles the model again and predicts the same plans (same
 cuts, schedule, v and m) from its own profile, so every method is judged against the
-same measurements. A method is ``FLUSH:NEIGHBOURS[:CLOCK]`` (``ProfileOptions.cache_flush``,
-``neighbours`` and ``clock``, ``auto`` when left out), e.g.
-``model:1,none:1,none:0,llc:1``.
+same measurements. A method is ``FLUSH:NEIGHBOURS[:CLOCK][:bare]``
+(``ProfileOptions.cache_flush``, ``neighbours`` and ``clock``, ``auto`` when left out;
+``bare``: no rehearsal, ``--no-rehearsal``), e.g. ``order:1,order:1:auto:bare``.
 
 ``--loop`` closes the loop on each shape: the 1F1B plan's run is folded into the
 profile (``calibrate_profile``), a new plan is made from it and run, and its step error
@@ -57,6 +58,7 @@ from autopart.verify import (
     calibrate_profile,
     check_machine,
     load_cached_overhead,
+    rehearse,
     save_cached_overhead,
     verify_plan,
 )
@@ -128,27 +130,31 @@ def _round8(n: int) -> int:
     return max(8, (n + 7) // 8 * 8)
 
 
-def parse_methods(text: str) -> list[tuple[str, int, str]]:
-    """``"llc:1,none:0:thread"`` -> ``[("llc", 1, "auto"), ("none", 0, "thread")]`` (no
-    clock: ``auto``, the profile's default); exits 2 on a bad entry."""
+def parse_methods(text: str) -> list[tuple[str, int, str, bool]]:
+    """``"llc:1,none:0:thread:bare"`` -> ``[("llc", 1, "auto", True), ("none", 0,
+    "thread", False)]``: no clock is ``auto``, the profile's default; ``bare`` skips the
+    rehearsal (``--no-rehearsal``); exits 2 on a bad entry."""
     methods = []
     for item in text.split(","):
-        flush, count, *clock = item.strip().split(":")
+        flush, count, *rest = item.strip().split(":")
+        bare = rest[-1:] == ["bare"]
+        clock = rest[:-1] if bare else rest
         if (flush not in CACHE_FLUSHES or not count.isdigit() or len(clock) > 1
                 or (clock and clock[0] not in ("auto", "wall", "thread"))):
-            print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK] with FLUSH "
-                  f"model, none or llc, CLOCK auto, wall or thread, e.g. model:1",
-                  file=sys.stderr)
+            print(f"error: bad method {item!r}; expected FLUSH:NEIGHBOURS[:CLOCK][:bare] with "
+                  f"FLUSH one of {', '.join(CACHE_FLUSHES)}, CLOCK auto, wall or thread, "
+                  f"e.g. order:1 or order:1:auto:bare", file=sys.stderr)
             sys.exit(2)
-        methods.append((flush, int(count), clock[0] if clock else "auto"))
+        methods.append((flush, int(count), clock[0] if clock else "auto", not bare))
     return methods
 
 
-def method_name(method: tuple[str, int, str]) -> str:
-    """``("none", 1, "auto")`` -> ``"flush none, 1 neighbour(s)"`` (the clock when not
-    ``auto``)."""
+def method_name(method: tuple[str, int, str, bool]) -> str:
+    """``("none", 1, "auto", False)`` -> ``"flush none, 1 neighbour(s), not rehearsed"``
+    (the clock when not ``auto``)."""
     clock = "" if method[2] == "auto" else f", {method[2]} clock"
-    return f"flush {method[0]}, {method[1]} neighbour(s){clock}"
+    rehearsed = "" if method[3] else ", not rehearsed"
+    return f"flush {method[0]}, {method[1]} neighbour(s){clock}{rehearsed}"
 
 
 def write_config(shape: Shape, folder: Path) -> str:
@@ -160,10 +166,11 @@ def write_config(shape: Shape, folder: Path) -> str:
     return str(path / "config.json")
 
 
-def take_profile(source: str, shape: Shape, method: tuple[str, int, str],
+def take_profile(source: str, shape: Shape, method: tuple[str, int, str, bool],
                  threads: int) -> Profile:
     """``autopart profile SOURCE --pp 2`` with this method's flush and neighbours, the
-    cached machine check attached as the CLI does."""
+    cached machine check attached and, unless the method is ``bare``, the rehearsal
+    folded in, as the CLI does."""
     torch.set_num_threads(threads)
     profile = profile_model(source, backend="cpu", seq_len=shape.seq,
                             micro_batch_size=shape.mbs, cache_flush=method[0],
@@ -171,6 +178,8 @@ def take_profile(source: str, shape: Shape, method: tuple[str, int, str],
     check = load_cached_overhead("gloo", threads)
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)
+    if method[3]:
+        profile = rehearse(profile, source, 2).profile
     return profile
 
 

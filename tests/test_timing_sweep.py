@@ -33,10 +33,13 @@ def test_shapes_cover_what_issue_22_asks():
 
 
 def test_methods_parse_and_bad_ones_exit_2(capsys):
-    assert timing_sweep.parse_methods("none:1,llc:0:wall") == [("none", 1, "auto"),
-                                                                ("llc", 0, "wall")]
-    assert timing_sweep.method_name(("none", 1, "thread")) == (
+    assert timing_sweep.parse_methods("none:1,llc:0:wall,order:1:bare,order:1:auto:bare") == [
+        ("none", 1, "auto", True), ("llc", 0, "wall", True), ("order", 1, "auto", False),
+        ("order", 1, "auto", False)]
+    assert timing_sweep.method_name(("none", 1, "thread", True)) == (
         "flush none, 1 neighbour(s), thread clock")
+    assert timing_sweep.method_name(("order", 1, "auto", False)) == (
+        "flush order, 1 neighbour(s), not rehearsed")
     with pytest.raises(SystemExit) as exit_info:
         timing_sweep.parse_methods("l3:1")
     assert exit_info.value.code == 2
