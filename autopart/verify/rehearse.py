@@ -23,7 +23,7 @@ from autopart.verify.worker import RunSettings
 
 __all__ = ["REHEARSAL_STEPS", "Rehearsal", "rehearse"]
 
-REHEARSAL_STEPS = 3
+REHEARSAL_STEPS = 5
 """Timed steps of the rehearsal (after ``REHEARSAL_WARMUP``): the median is kept."""
 REHEARSAL_WARMUP = 1
 
