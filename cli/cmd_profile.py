@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
                 rehearsal = rehearse(profile, args.model, args.pp, progress=progress)
             profile = rehearsal.profile
         except AutopartError as exc:  # the profile stands as measured, and says why
-            not_rehearsed = (f"not rehearsed ({exc}); the blocks stay as measured: verify a "
-                             f"plan and calibrate, or profile with --no-rehearsal")
+            not_rehearsed = (f"not rehearsed ({exc}); the blocks stay as measured "
+                             f"(--no-rehearsal skips the rehearsal)")
     out = args.out or Path.cwd() / default_filename(profile)
     profile.save(out)
     if args.json:
