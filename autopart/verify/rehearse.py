@@ -30,12 +30,10 @@ REHEARSAL_WARMUP = 1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rehearsal:
-    """The profile with the run folded in, and what the run showed."""
+    """The profile with the run folded in (its ``calibration`` records the run's
+    predicted and measured step), and a line saying what the run showed."""
 
     profile: Profile
-    predicted_step_ms: float
-    measured_step_ms: float
-    num_microbatches: int
     summary: str
     """One line: the run, its step against the prediction, the factors folded in."""
 
@@ -82,7 +80,4 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
         f"stage's measured / predicted F and B, posts priced as run"))
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
                f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}")
-    return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup),
-                     predicted_step_ms=report.predicted_step_ms,
-                     measured_step_ms=report.measured_step_ms,
-                     num_microbatches=plan.num_microbatches, summary=summary)
+    return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup), summary=summary)
