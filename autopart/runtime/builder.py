@@ -33,8 +33,9 @@ from autopart.runtime.options import RuntimeOptions
 from autopart.runtime.pipeline import PipelinedModel
 from autopart.runtime.plan_source import AutoOptions, resolve_plan
 from autopart.runtime.planned import base_names, chain_level
-from autopart.runtime.stages import build_schedule, build_stage_modules, wrap_stages
+from autopart.runtime.stages import build_stage_modules
 from autopart.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel, tp_plan_of
+from autopart.runtime.torch_stages import build_schedule, wrap_stages
 from autopart.runtime.validate import (
     check_model,
     check_parts,

@@ -1,4 +1,4 @@
-"""Build this rank's stage modules and the torch schedule that drives them.
+"""Build this rank's stage modules.
 
 A stage module (``ForwardStage``) holds one stage's blocks under their original
 FQNs and runs the **model's own forward** for every microbatch, with
@@ -28,8 +28,8 @@ whole output is the received partial plus its own.
 
 So masks, rotary embeddings, embedding scaling and any other code between blocks
 run exactly as in the unpipelined model, for every family, with no names of one.
-Each becomes a ``torch.distributed.pipelining.PipelineStage``; the schedule class
-comes from ``autopart.schedules.SCHEDULES``.
+Each becomes a ``torch.distributed.pipelining.PipelineStage`` driven by the schedule
+the plan names (``autopart.runtime.torch_stages``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
@@ -65,7 +62,6 @@ from autopart.runtime.head_shards import HeadCarry, shard_carry, token_losses
 from autopart.runtime.partials import Partial, plus_partial, run_partial, stage_partials
 from autopart.runtime.planned import DerivedPart, base_names, derived_parts
 from autopart.runtime.tree import Tree, prune
-from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
 __all__ = []
@@ -389,41 +385,3 @@ def build_stage_modules(root: nn.Module, chain: BlockChain, plan: Plan,
                          recompute=recompute(stage), autocast_dtype=autocast_dtype,
                          split_backward=split_backward, seq_mesh=seq_mesh)
             for stage in stages]
-
-
-def wrap_stages(modules: list[nn.Module], stages: list[StagePlan], num_stages: int,
-                device: torch.device, group: dist.ProcessGroup) -> list[PipelineStage]:
-    """``PipelineStage`` objects (shapes inferred at the first step)."""
-    return [_ZeroedInferenceStage(module, stage.index, num_stages, device, group=group)
-            for module, stage in zip(modules, stages)]
-
-
-class _ZeroedInferenceStage(PipelineStage):
-    """A ``PipelineStage`` whose shape inference runs the stage on zeros.
-
-    torch infers a later stage's output shapes by running it on tensors made from the
-    received metadata, left uninitialized: integers received there (Hy-V4's top-k token
-    indices, passed from layer to layer) then index out of bounds. Zeros are valid
-    indices and finite values."""
-
-    def _to_tensor(self, arg: Any) -> torch.Tensor:
-        """torch's tensor for ``arg`` (a tensor, or metadata to make one from), zeroed
-        when made from metadata."""
-        made = super()._to_tensor(arg)
-        if not isinstance(arg, torch.Tensor) and type(made) is torch.Tensor:
-            with torch.no_grad():
-                made.zero_()
-        return made
-
-
-def build_schedule(plan: Plan, stages: list[PipelineStage],
-                   loss_fn: Callable[..., torch.Tensor], *, scale_grads: bool):
-    """The torch schedule object named by ``plan.schedule``."""
-    info = schedule_info(plan.schedule)
-    cls = getattr(torch_schedules, info.torch_class)
-    if info.multi_stage:
-        return cls(stages, n_microbatches=plan.num_microbatches, loss_fn=loss_fn,
-                   scale_grads=scale_grads)
-    (stage,) = stages
-    return cls(stage, n_microbatches=plan.num_microbatches, loss_fn=loss_fn,
-               scale_grads=scale_grads)
