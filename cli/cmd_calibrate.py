@@ -66,9 +66,14 @@ def run(args: argparse.Namespace) -> int:
                       highlight=False)
     post = calibrated.calibration.get("post")
     if post:
+        how = (f"at which the plan predicts the run's step, {post['fitted_to_step_ms']:.1f} ms"
+               if "fitted_to_step_ms" in post else
+               "the run's time outside its actions and waits (pass --plan to fit the step)")
+        latency = post.get("link_latency_ms")
         console.print(f"per send or receive posted ({post['field']}): {post['before_ms']:.3f} "
-                      f"-> {post['after_ms']:.3f} ms, the run's time outside its actions and "
-                      f"waits", highlight=False)
+                      f"-> {post['after_ms']:.3f} ms, {how}" + (
+                          f"; link latency {latency[0]:.3f} -> {latency[1]:.3f} ms"
+                          if latency else ""), highlight=False)
     console.print(f"calibrated profile written to {args.out}")
     return 0
 

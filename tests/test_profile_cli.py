@@ -86,8 +86,8 @@ def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatc
 @pytest.mark.timeout(300)
 def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, capsys,
                                                      one_thread):
-    """--pp 2 on CPU runs the even split on 2 local ranks and scales the blocks by it:
-    planning those cuts again predicts what ran, and the posts carry the run's price."""
+    """--pp 2 on CPU runs the even split on 2 local ranks under 1F1B and Interleaved 1F1B
+    and folds them in: planning either again predicts the step that ran."""
     from autopart.schema import RuntimeOverhead
     from autopart.solve import make_plan
     from autopart.verify import save_cached_overhead
@@ -108,13 +108,20 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     assert "then rehearsed (even split" in profile.setup.time_source
     assert "rehearsal (even split, 1F1B, m 4" in out and "folded in: stage 0 F x" in out
     assert len(record["factors"]) == 2 and record["post"]["field"] == "p2p_ms"
-    assert profile.runtime_overhead.p2p_ms == record["post"]["after_ms"] > 0.0001
-    assert profile.runtime_overhead.runtime_p2p_ms == pytest.approx(
-        0.2 + profile.runtime_overhead.p2p_ms - 0.0001, abs=1e-3)
+    assert profile.runtime_overhead.p2p_ms == record["post"]["after_ms"]
+    assert record["post"]["fitted_to_step_ms"] == pytest.approx(record["measured_step_ms"],
+                                                               abs=1e-3)
     even = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
                      partition="even")
     measured = record["measured_step_ms"]
-    assert abs(even.predicted_step_ms - measured) < abs(record["predicted_step_ms"] - measured)
+    assert even.predicted_step_ms == pytest.approx(measured, rel=0.01)
+    runtime = record["runtime_post"]
+    assert runtime["field"] == "runtime_p2p_ms" and "interleaved 1F1B (v 2) measured" in out
+    assert profile.runtime_overhead.runtime_p2p_ms == runtime["after_ms"]
+    interleaved = make_plan(profile, pp_size=2, num_microbatches=4,
+                            schedule="interleaved-1f1b", virtual_stages=2, partition="even")
+    assert interleaved.predicted_step_ms == pytest.approx(runtime["fitted_to_step_ms"],
+                                                          rel=0.01)
 
 
 def test_no_machine_check_says_how_to_run_one(tmp_path, monkeypatch, capsys, one_thread):

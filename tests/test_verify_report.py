@@ -356,7 +356,8 @@ def test_calibration_leaves_what_stages_pay_outside_their_blocks(profile):
 def test_calibration_prices_posts_as_the_run_measured_them(profile):
     """The ranks' time outside actions and waits, less the check's per-step work, over
     the posts each made (one cut: 2 per microbatch), median over the ranks, becomes the
-    price per post of a single-stage schedule; the multi-stage price moves by as much."""
+    price per post of a single-stage schedule when the plan is not given; the multi-stage
+    price moves by as much."""
     from autopart.schema import RuntimeOverhead
     from autopart.verify.calibrate import measured_post_ms
 
@@ -373,7 +374,7 @@ def test_calibration_prices_posts_as_the_run_measured_them(profile):
     assert sorted(r.measured_outside_ms for r in run.ranks) == pytest.approx([6.2, 10.2])
     expected = ((6.2 + 10.2) / 2 - 0.2) / (2 * 4)
     assert measured_post_ms(run, check) == pytest.approx(expected)
-    calibrated = calibrate_profile(checked, run, planned)
+    calibrated = calibrate_profile(checked, run)
     assert calibrated.runtime_overhead.p2p_ms == pytest.approx(expected, abs=1e-4)
     shifted = round(0.3 + expected - 0.06, 4)
     assert calibrated.runtime_overhead.runtime_p2p_ms == pytest.approx(shifted)
@@ -382,6 +383,42 @@ def test_calibration_prices_posts_as_the_run_measured_them(profile):
         "other_prices": {"runtime_p2p_ms": [0.3, shifted]}}
     assert measured_post_ms(run, None) is None
     assert calibrate_profile(profile, run).runtime_overhead is None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("slower", [1.3, 0.9, 0.5])
+def test_calibration_with_the_plan_predicts_the_step_that_ran(profile, schedule, slower):
+    """Given the plan, the post price of its kind is the one at which the same cuts predict
+    the run's step; where free posts still predict too long a step, the link latency
+    comes down instead; the other kind's price moves by as much. (The multi-stage kind is
+    fitted on a real run: tests/test_profile_cli.py, the rehearsal.)"""
+    from autopart.schema import RuntimeOverhead
+
+    check = RuntimeOverhead(fwd_action_ms=0.05, bwd_action_ms=0.07, p2p_ms=0.06, step_ms=0.2,
+                            link_latency_ms=0.5, link_bandwidth_bytes_per_s=50e9,
+                            backend="gloo", num_threads=1, runtime_p2p_ms=0.3)
+    checked = dataclasses.replace(profile, runtime_overhead=check)
+    planned = make_plan(checked, pp_size=2, num_microbatches=4, schedule=schedule)
+    run = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0),
+                       [_rank_result(planned, 1, 1.0), _rank_result(planned, 0, 1.0)])
+    busy = max(r.measured_busy_ms for r in run.ranks)
+    run = dataclasses.replace(run, measured_step_ms=slower * busy)
+    calibrated = calibrate_profile(checked, run, planned)
+    again = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule=schedule,
+                      cuts=tuple(planned.pipeline_cuts))
+    post = calibrated.calibration["post"]
+    field, other = "p2p_ms", "runtime_p2p_ms"
+    assert post["field"] == field and post["fitted_to_step_ms"] == pytest.approx(
+        run.measured_step_ms, abs=1e-3)
+    new = calibrated.runtime_overhead
+    if getattr(new, field) > 0:
+        assert again.predicted_step_ms == pytest.approx(run.measured_step_ms, rel=1e-3)
+        assert "link_latency_ms" not in post
+    else:  # free posts still too slow: the latency came down, at most to 0
+        assert again.predicted_step_ms >= run.measured_step_ms * 0.999
+        assert new.link_latency_ms < 0.5
+    shift = getattr(new, field) - getattr(check, field)
+    assert getattr(new, other) == pytest.approx(max(getattr(check, other) + shift, 0), abs=1e-3)
 
 
 def test_outside_is_the_step_less_actions_and_waits(report):

@@ -12,11 +12,16 @@ What a rank spends outside its actions and p2p waits (``RankReport.measured_outs
 posting sends and receives, the schedule's bookkeeping) is priced by the machine check
 per post, measured on stages that compute little; on a real model's run a post can cost
 far more (on a 2-core machine a post of a 2-rank run waits for a core the other rank's
-compute holds). The run's own figure replaces the check's: (outside - the per-step
-work) / the posts the rank made, median over the ranks, for the run's kind of schedule
-(``p2p_ms`` single-stage, ``runtime_p2p_ms`` multi-stage: ``RuntimeOverhead``), and the
-other kind's price moves by the same difference (the wait for a core is the machine's and
-the model's, not the runtime's). The factors, the post prices and the run they came from
+compute holds). Given the plan that ran, the price of the run's kind of schedule
+(``p2p_ms`` single-stage, ``runtime_p2p_ms`` multi-stage: ``RuntimeOverhead``) is the
+one at which the plan, with its stages calibrated, predicts the run's step
+(``fit_post_price``): what the posts cost is partly spent while a rank would wait anyway,
+and the check's link latency is a ping-pong that a pipeline's transfers overlap, so the
+time outside actions, charged to every post, over-prices a run on the ranks that are not
+the bottleneck. Without the plan, the run's own figure replaces the check's: (outside -
+the per-step work) / the posts the rank made, median over the ranks. The other kind's
+price moves by the same difference (the wait for a core is the machine's and the
+model's, not the runtime's). The factors, the post prices and the run they came from
 are recorded in ``Profile.calibration``.
 """
 
@@ -24,14 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from autopart.cost.rank import stage_costs_of_plan
+from autopart.cost.stage import StageCost
 from autopart.errors import SchemaError
 from autopart.schedules import schedule_info
 from autopart.schema import BlockProfile, Part, Plan, Profile, RuntimeOverhead
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
-__all__ = ["calibrate_profile"]
+__all__ = ["calibrate_profile", "fit_post_price"]
 
 
 def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = None,
@@ -42,14 +50,16 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     predicted ratio, so planning again from the result predicts what was measured. A
     head split into vocabulary shards over several stages gets the mean of their
     ratios, each weighted by its share of the vocabulary. The runtime's price per post
-    of the report's kind of schedule becomes the one the run measured
-    (``measured_post_ms``), where the report has the ranks' own steps.
+    of the report's kind of schedule becomes, given ``plan``, the one at which the plan
+    predicts the run's step (``fit_post_price``), else the one the run measured outside
+    the actions (``measured_post_ms``, where the report has the ranks' own steps).
 
     Args:
         profile: The profile the plan was made from.
         report: The run report of that plan (``verify_plan`` or ``autopart verify
             --json``).
-        plan: The plan that ran; when given, checked against ``report.plan_digest``.
+        plan: The plan that ran; when given, checked against ``report.plan_digest``
+            and its step fits the price of a post.
         source: Names the run report (a path) in the profile's calibration record.
 
     Returns:
@@ -64,15 +74,17 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     blocks = list(profile.blocks)
     factors = []
     shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
+    changes: dict[int, dict[str, float]] = {}
     for stage in report.stages:
         covered = []
         for name in stage.modules:
             parts = tuple(report.parts.get(name, ()))
             weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
             covered += [(i, weight) for i in covered_blocks(profile, name, parts)]
-        ratio = _ratios(stage, {key: sum(w * getattr(blocks[i], f"{key}_ms")
-                                         for i, w in covered)
-                                for key in ("fwd", "bwd_input", "bwd_weight")})
+        own = {key: sum(w * getattr(blocks[i], f"{key}_ms") for i, w in covered)
+               for key in ("fwd", "bwd_input", "bwd_weight")}
+        ratio = _ratios(stage, own)
+        changes[stage.index] = {key: (ratio[key] - 1) * own[key] for key in own}
         for i, weight in covered:
             shares.setdefault(i, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
@@ -89,7 +101,12 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
               "previous": previous}
     overhead = profile.runtime_overhead
     post = measured_post_ms(report, overhead)
-    if overhead is not None and post is not None:
+    if overhead is not None and plan is not None and report.measured_step_ms > 0:
+        costs = [_changed(cost, changes.get(s, {}), first=s == 0)
+                 for s, cost in enumerate(stage_costs_of_plan(plan))]
+        overhead, record["post"] = fit_post_price(plan, report.measured_step_ms, overhead,
+                                                  costs)
+    elif overhead is not None and post is not None:
         field = "runtime_p2p_ms" if schedule_info(report.schedule).multi_stage else "p2p_ms"
         shift = post - getattr(overhead, field)
         prices = {"p2p_ms": overhead.p2p_ms, "runtime_p2p_ms": overhead.runtime_p2p_ms}
@@ -102,6 +119,99 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         overhead = dataclasses.replace(overhead, **moved)
     return dataclasses.replace(profile, blocks=tuple(blocks), calibration=record,
                                runtime_overhead=overhead)
+
+
+def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhead,
+                   costs: Sequence[StageCost] | None = None, *, others: bool = True
+                   ) -> tuple[RuntimeOverhead, dict[str, Any]]:
+    """Price a post of ``plan``'s kind of schedule so that the plan predicts a run's step.
+
+    The price (``p2p_ms`` single-stage, ``runtime_p2p_ms`` multi-stage) is found by
+    bisection: the simulated step of ``plan``'s stages (``costs``, the plan's own by
+    default) grows with it. Where even free posts predict a longer step than the run's,
+    the posts are free and, with ``others``, the link's one-way latency (the machine
+    check's ping-pong, which a pipeline's transfers overlap) is lowered to the one that
+    predicts the run, down to 0. With ``others``, the other kind's price moves by as much
+    as the fitted one.
+
+    Args:
+        plan: The plan that ran.
+        measured_step_ms: The run's step.
+        overhead: The prices the plan was made with (the profile's machine check).
+        costs: The plan's stages as calibrated (``calibrate_profile``).
+        others: Move the other kind's price and fit the latency too.
+
+    Returns:
+        The overhead with the fitted prices, and the record ``Profile.calibration`` keeps
+        (``field``, ``before_ms``, ``after_ms``, ``fitted_to_step_ms``, ``other_prices``
+        and, where it moved, ``link_latency_ms`` before and after).
+    """
+    from autopart.simulate import simulate, with_step_overhead
+
+    costs = list(costs) if costs is not None else stage_costs_of_plan(plan)
+    field = "runtime_p2p_ms" if schedule_info(plan.schedule).multi_stage else "p2p_ms"
+    own_latency = plan.setup.link_latency_ms == overhead.link_latency_ms
+
+    # a stage's F and B carry p2p_ms per cut next to it (``autopart.cost.stage``)
+    cuts = [int(s > 0) + int(s < len(costs) - 1) for s in range(len(costs))]
+
+    def step(**prices: float) -> float:
+        check = dataclasses.replace(overhead, **prices)
+        setup = dataclasses.replace(plan.setup, runtime_overhead=check, **(
+            {"link_latency_ms": check.link_latency_ms} if own_latency else {}))
+        delta = check.p2p_ms - overhead.p2p_ms
+        charged = [dataclasses.replace(cost, fwd_ms=cost.fwd_ms + delta * n,
+                                       bwd_input_ms=cost.bwd_input_ms + delta * n)
+                   for cost, n in zip(costs, cuts)]
+        result = simulate(charged, schedule=plan.schedule, pp_size=plan.pp_size,
+                          virtual_stages=plan.virtual_stages,
+                          num_microbatches=plan.num_microbatches, setup=setup,
+                          record_events=False)
+        return with_step_overhead(result, setup, charged, plan.schedule,
+                                  plan.virtual_stages).step_ms
+
+    price = _bisect(lambda v: step(**{field: v}), measured_step_ms, 0.0,
+                    max(4 * getattr(overhead, field), 1.0))
+    if price is None:  # no post on the path (one stage), or a run far slower than any price
+        price = getattr(overhead, field)
+    moved = {field: price}
+    latency = overhead.link_latency_ms
+    if others and own_latency and price == 0.0:
+        latency = _bisect(lambda v: step(**{field: 0.0, "link_latency_ms": v}),
+                          measured_step_ms, 0.0, latency) or 0.0
+        moved["link_latency_ms"] = latency
+    shift = price - getattr(overhead, field)
+    if others:
+        moved.update({key: max(getattr(overhead, key) + shift, 0.0)
+                      for key in ("p2p_ms", "runtime_p2p_ms")
+                      if key != field and getattr(overhead, key) > 0})
+    moved = {key: round(value, 4) for key, value in moved.items()}
+    record: dict[str, Any] = {
+        "field": field, "before_ms": getattr(overhead, field), "after_ms": moved[field],
+        "fitted_to_step_ms": round(measured_step_ms, 3), "other_prices": {
+            key: [getattr(overhead, key), value] for key, value in moved.items()
+            if key not in (field, "link_latency_ms")}}
+    if latency != overhead.link_latency_ms:
+        record["link_latency_ms"] = [overhead.link_latency_ms, moved["link_latency_ms"]]
+    return dataclasses.replace(overhead, **moved), record
+
+
+def _bisect(step: Callable[[float], float], target: float, low: float,
+            high: float) -> float | None:
+    """The value in [``low``, ``high`` x 2^10] where ``step`` (growing) meets ``target``:
+    ``low`` where it starts above it, ``None`` where it never reaches it."""
+    if step(low) >= target:
+        return low
+    for _ in range(11):
+        if step(high) >= target:
+            break
+        low, high = high, 2 * high
+    else:
+        return None
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (low, middle) if step(middle) >= target else (middle, high)
+    return (low + high) / 2
 
 
 def measured_post_ms(report: RunReport, overhead: RuntimeOverhead | None) -> float | None:
@@ -193,6 +303,17 @@ def _ratios(stage: StageReport, blocks: dict[str, float]) -> dict[str, float]:
             "bwd_weight": ratio(stage.measured_bwd_weight_ms, stage.predicted_bwd_weight_ms,
                                 blocks["bwd_weight"])
             if stage.measured_bwd_weight_ms is not None else full}
+
+
+def _changed(cost: StageCost, change: dict[str, float], first: bool) -> StageCost:
+    """``cost`` with its blocks' F, B and W times changed by ``change`` (ms); the model's
+    first stage runs its whole backward as W (``autopart.cost.stage``)."""
+    fwd, bwd_in, bwd_w = (change.get(key, 0.0) for key in ("fwd", "bwd_input", "bwd_weight"))
+    if first:
+        bwd_in, bwd_w = 0.0, bwd_in + bwd_w
+    return dataclasses.replace(cost, fwd_ms=max(cost.fwd_ms + fwd, 0.0),
+                               bwd_input_ms=max(cost.bwd_input_ms + bwd_in, 0.0),
+                               bwd_weight_ms=max(cost.bwd_weight_ms + bwd_w, 0.0))
 
 
 def _scaled(block: BlockProfile, ratio: dict[str, Any]) -> BlockProfile:

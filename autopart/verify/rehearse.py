@@ -1,4 +1,4 @@
-"""The rehearsal: a CPU profile checked against a short run of the model's even split.
+"""The rehearsal: a CPU profile checked against short runs of the model's even split.
 
 On a CPU machine that hosts the pipeline's ranks, blocks measured one at a time (beside
 busy neighbours, again in model order) still run 5-15% faster than inside a two-rank
@@ -8,8 +8,12 @@ check's stages that compute little; the cause of the first is not found
 the model's even split under 1F1B, ``2 x pp`` microbatches, a few steps on the ranks the
 profile was taken for (``verify_plan``), and folds the run into the profile
 (``calibrate_profile``): every block of a stage scaled by the stage's measured /
-predicted F and B, and the price per post the run measured. ``autopart profile --pp N``
-does it on CPU; ``--no-rehearsal`` keeps the blocks as measured.
+predicted F and B, and the price per post at which the run's step is predicted. A second
+run, the even split under Interleaved 1F1B (v 2), prices the posts of torch's action
+runtime (every multi-stage schedule) the same way, as the first cannot: its posts cost
+more, and the machine check's difference between the two kinds does not hold on a real
+model. ``autopart profile --pp N`` does it on CPU; ``--no-rehearsal`` keeps the blocks
+as measured.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.calibrate import calibrate_profile
+from autopart.verify.calibrate import calibrate_profile, fit_post_price
 from autopart.verify.run import ProgressFn, verify_plan
 from autopart.verify.worker import RunSettings
 
@@ -59,6 +63,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
         AutopartError: One line, where the even split cannot be planned (more ranks than
             blocks, memory) or the run fails.
     """
+    from autopart.errors import AutopartError
     from autopart.solve import make_plan
 
     plan = make_plan(profile, pp_size=pp_size, num_microbatches=2 * pp_size,
@@ -69,15 +74,36 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
             f"local ranks")
     calibrated = calibrate_profile(profile, report, plan, source=f"rehearsal: {what}")
-    record = calibrated.calibration
+    record = dict(calibrated.calibration)
     factors = ", ".join(f"stage {f['stage']} F x{f['fwd']:.2f} B x{f['bwd_input']:.2f}"
                         for f in record["factors"])
     post = record.get("post")
     posts = (f", {post['before_ms']:.3f} -> {post['after_ms']:.3f} ms per send or receive"
              if post else "")
+    latency = (f", link latency {post['link_latency_ms'][0]:.3f} -> "
+               f"{post['link_latency_ms'][1]:.3f} ms" if post and "link_latency_ms" in post
+               else "")
+    runtime = ""
+    if calibrated.runtime_overhead is not None:
+        try:
+            multi = make_plan(calibrated, pp_size=pp_size, num_microbatches=2 * pp_size,
+                              schedule="interleaved-1f1b", virtual_stages=2, partition="even")
+            second = verify_plan(multi, settings, progress=progress)
+        except AutopartError as exc:
+            runtime = f"; the action runtime not rehearsed ({exc})"
+        else:
+            overhead, record["runtime_post"] = fit_post_price(
+                multi, second.measured_step_ms, calibrated.runtime_overhead, others=False)
+            calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
+            fitted = record["runtime_post"]
+            runtime = (f"; interleaved 1F1B (v 2) measured {second.measured_step_ms:.1f} ms: "
+                       f"{fitted['before_ms']:.3f} -> {fitted['after_ms']:.3f} ms per post "
+                       f"of the action runtime")
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
-        f"stage's measured / predicted F and B, posts priced as run"))
+        f"stage's measured / predicted F and B, posts priced by the run's step"))
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
-               f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}")
-    return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup), summary=summary)
+               f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}{latency}"
+               f"{runtime}")
+    return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
+                     summary=summary)
