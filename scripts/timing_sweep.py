@@ -412,6 +412,10 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
              "loads": loads, "summary": summary,
              "runs": [{"shape": r.shape, "schedule": r.schedule, "partition": r.partition,
                        "measured_step_ms": r.report.measured_step_ms,
+                       "cuts": list(r.predicted[names[0]].pipeline_cuts),
+                       "granularity": r.predicted[names[0]].granularity,
+                       "measured_memory_bytes": [k.measured_peak_memory_bytes
+                                                 for k in r.report.ranks],
                        "cpu_share": cpu_share(r.report),
                        "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
              "loop": loop_rows}, indent=1))

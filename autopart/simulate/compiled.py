@@ -119,8 +119,11 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
     The first hands them to ``.grad`` (static) and ``F`` (and a split ``B``) computes
     none, so those leave out ``StageCost.adopted_grad_bytes``. Cached.
 
-    A row has two columns per stage (``2 * len(stages)``): microbatches between their
-    ``F`` and ``B``, then (split schedules) those between their ``B`` and ``W``. A
+    A row has four columns per stage (``4 * len(stages)``): microbatches between their
+    ``F`` and ``B``, then (split schedules) those between their ``B`` and ``W``, then
+    the backwards done before the moment, then the releasing backwards done (``B``, or
+    ``W`` in split schedules): torch waits some sends only at the end of the step, and
+    the tensors they send stay alive until then (``autopart.simulate.engine``). A
     microbatch is held from the start of its ``F`` until the end of its releasing
     backward (``B``, or ``W`` in split schedules), and the running stage's workspace
     comes on top, so the rank's peak bytes during the step are ``max(counts @
@@ -161,6 +164,12 @@ def _moments(kind: np.ndarray, stage: np.ndarray, stages: tuple[int, ...],
         after[rows[backward], num + col[backward]] = 1
         after[rows[weight], num + col[weight]] = -1
     held = np.cumsum(before, axis=0) + np.cumsum(after, axis=0) - after
+    # Backwards and releasing backwards done before the moment (what a send still holds).
+    done = np.zeros_like(before)
+    done[rows[backward], col[backward]] = 1
+    release = weight if split_backward else backward
+    done[rows[release], num + col[release]] = 1
+    held = np.hstack([held, np.cumsum(done, axis=0) - done])
     # Pays its weight gradients as workspace: a gradient backward after its stage's first.
     grads = np.flatnonzero(kind == (2 if split_backward else 1))
     pays = np.zeros(len(kind), dtype=np.int64)

@@ -25,8 +25,12 @@ releasing backward (``B``, or ``W`` in split schedules; between the two it holds
 ``transient_bytes`` come on top of what is held (during ``F``, on top of this
 microbatch's activations too), less ``adopted_grad_bytes`` except on the stage's
 weight-gradient backwards after its first in the step (``F`` and a split ``B``
-compute no weight gradients; the first backward's become ``.grad``). Because a rank runs
-one action at a time this peak follows from the order alone.
+compute no weight gradients; the first backward's become ``.grad``). torch's action
+runtime (every multi-stage schedule) waits its sends only when the step ends, so every
+output sent on and every input gradient sent back stays alive until then (GPipe's
+backward sends too): from a stage's releasing backward (its output) and its backward
+(its input gradient) on, they count on top. Because a rank runs one action at a time
+this peak follows from the order alone.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import numpy as np
 from autopart.cost.rank import post_charges_ms, rank_static_bytes, recv_buffer_bytes
 from autopart.cost.stage import StageCost, comm_ms
 from autopart.errors import PlanError
-from autopart.schedules import schedule_info
+from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import TrainingSetup
 from autopart.simulate.compiled import KINDS, compiled_plan, held_counts
 from autopart.simulate.levels import level_plan
@@ -328,6 +332,26 @@ def _assert_finished(plan, pos: list[int], waiting: dict[int, int], num_stages: 
     assert not stuck, f"schedule deadlocked: {stuck}"
 
 
+def _sent_bytes(stage_costs: Sequence[StageCost], stages: Sequence[int], schedule: str,
+                pp_size: int, virtual_stages: int) -> tuple[list[int], list[int]]:
+    """Per stage of a rank, the bytes each backward done and each releasing backward done
+    leave alive until the step ends: torch's action runtime (every multi-stage schedule)
+    waits its sends only then, so a gradient sent back and an output sent on stay held by
+    the send; GPipe waits its backward sends then too. 1F1B waits each send before its
+    next action."""
+    info = schedule_info(schedule)
+    if not info.multi_stage and schedule != "gpipe":
+        return [0] * len(stages), [0] * len(stages)
+    last = pp_size * virtual_stages - 1
+    rank = [stage_to_rank(s, pp_size, virtual_stages, info.style) for s in range(last + 1)]
+    grads = [stage_costs[s].input_bytes if s > 0 and rank[s - 1] != rank[s] else 0
+             for s in stages]
+    outputs = [stage_costs[s].output_bytes
+               if info.multi_stage and s < last and rank[s + 1] != rank[s] else 0
+               for s in stages]
+    return grads, outputs
+
+
 def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
                  virtual_stages: int, num_microbatches: int) -> tuple[int, ...]:
     """Per rank: static + receive buffers + the most held at once, workspace included."""
@@ -335,7 +359,9 @@ def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
     for stages, counts, running, pays in held_counts(schedule, pp_size, virtual_stages,
                                                      num_microbatches):
         act = np.array([stage_costs[s].activation_bytes for s in stages], dtype=np.int64)
-        act = np.concatenate([act, act + [stage_costs[s].held_for_weight_bytes for s in stages]])
+        act = np.concatenate([act, act + [stage_costs[s].held_for_weight_bytes for s in stages],
+                              *_sent_bytes(stage_costs, stages, schedule, pp_size,
+                                           virtual_stages)])
         work = np.array([stage_costs[s].transient_bytes for s in stages], dtype=np.int64)
         adopted = np.array([stage_costs[s].adopted_grad_bytes for s in stages], dtype=np.int64)
         peak = int((counts @ act + work[running] - np.where(pays, 0, adopted[running])).max())
