@@ -86,8 +86,8 @@ def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatc
 @pytest.mark.timeout(300)
 def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, capsys,
                                                      one_thread):
-    """--pp 2 on CPU runs the even split on 2 local ranks under 1F1B and Interleaved 1F1B
-    and folds them in: planning either again predicts the step that ran."""
+    """--pp 2 on CPU runs the even split on 2 local ranks under 1F1B, Interleaved 1F1B
+    and GPipe and folds them in: planning any of them again predicts the step that ran."""
     from autopart.schema import RuntimeOverhead
     from autopart.solve import make_plan
     from autopart.verify import save_cached_overhead
@@ -122,6 +122,13 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
                             schedule="interleaved-1f1b", virtual_stages=2, partition="even")
     assert interleaved.predicted_step_ms == pytest.approx(runtime["fitted_to_step_ms"],
                                                           rel=0.01)
+    gpipe = record["gpipe_post"]
+    assert gpipe["field"] == "gpipe_p2p_ms" and "GPipe (m 8) measured" in out
+    assert profile.runtime_overhead.gpipe_p2p_ms == gpipe["after_ms"] > 0
+    waits = make_plan(profile, pp_size=2, num_microbatches=8, schedule="gpipe",
+                      partition="even")
+    if gpipe["after_ms"] > 1e-4:
+        assert waits.predicted_step_ms == pytest.approx(gpipe["fitted_to_step_ms"], rel=0.01)
 
 
 def test_no_machine_check_says_how_to_run_one(tmp_path, monkeypatch, capsys, one_thread):

@@ -59,7 +59,9 @@ def post_charges_ms(setup: TrainingSetup, schedule: str, pp_size: int,
     every send and receive as an action of its own, at ``runtime_p2p_ms`` each (the
     machine check, ``autopart.verify.machine_runtime``), and posts nothing between two
     stages of one rank (a V schedule's turn). The charge is the difference: the stage's
-    posts at the runtime's price less its cuts at the 1F1B price.
+    posts at the runtime's price less its cuts at the 1F1B price. GPipe, where the
+    rehearsal priced its posts (``RuntimeOverhead.gpipe_p2p_ms``), pays that price per
+    cut instead of 1F1B's.
 
     Args:
         setup: Its ``runtime_overhead`` (the machine check).
@@ -68,14 +70,17 @@ def post_charges_ms(setup: TrainingSetup, schedule: str, pp_size: int,
         virtual_stages: Stages per rank.
 
     Returns:
-        One figure per stage, or ``None`` when nothing changes (a single-stage schedule,
-        no check, or a check without the runtime's figure).
+        One figure per stage, or ``None`` when nothing changes (1F1B, no check, or a
+        check without the schedule's own figure).
     """
     overhead = setup.runtime_overhead
     info = schedule_info(schedule)
+    num = pp_size * virtual_stages
+    if overhead is not None and schedule == "gpipe" and overhead.gpipe_p2p_ms:
+        extra = overhead.gpipe_p2p_ms - overhead.p2p_ms
+        return [extra * sum(0 <= t < num for t in (s - 1, s + 1)) for s in range(num)]
     if overhead is None or not overhead.runtime_p2p_ms or not info.multi_stage:
         return None
-    num = pp_size * virtual_stages
     ranks = [stage_to_rank(s, pp_size, virtual_stages, info.style) for s in range(num)]
     charges = []
     for s in range(num):

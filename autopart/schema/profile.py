@@ -275,6 +275,11 @@ class RuntimeOverhead:
     that compute: the runtime's bookkeeping per action and the posts that wait for a core
     held by the other rank's compute. 0: not measured (a check before version 3); such
     schedules are then charged ``p2p_ms``."""
+    gpipe_p2p_ms: float = 0.0
+    """Per send or receive under GPipe, which waits its forward sends only after every
+    forward and its backward sends when the step ends, so its posts cost more than
+    1F1B's; fitted by the CPU rehearsal's GPipe run (``autopart.verify.rehearse``).
+    0: not measured; GPipe is then charged ``p2p_ms``."""
     allreduce_latency_ms: float = 0.0
     """Fixed ms of one all-reduce of a gradient between the two ranks (flatten, sum, copy
     back, as the runtime sums a weight held on several ranks)."""
@@ -284,7 +289,8 @@ class RuntimeOverhead:
 
     def __post_init__(self) -> None:
         for name in ("fwd_action_ms", "bwd_action_ms", "p2p_ms", "step_ms", "link_latency_ms",
-                     "runtime_p2p_ms", "allreduce_latency_ms", "allreduce_bandwidth_bytes_per_s"):
+                     "runtime_p2p_ms", "gpipe_p2p_ms", "allreduce_latency_ms",
+                     "allreduce_bandwidth_bytes_per_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise SchemaError(f"runtime overhead {name} = {value!r}, expected a finite "

@@ -39,7 +39,7 @@ from autopart.schedules import schedule_info
 from autopart.schema import BlockProfile, Part, Plan, Profile, RuntimeOverhead
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
-__all__ = ["calibrate_profile", "fit_post_price"]
+__all__ = ["calibrate_profile", "fit_post_price", "post_field"]
 
 
 def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = None,
@@ -109,9 +109,10 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     elif overhead is not None and post is not None:
         field = "runtime_p2p_ms" if schedule_info(report.schedule).multi_stage else "p2p_ms"
         shift = post - getattr(overhead, field)
-        prices = {"p2p_ms": overhead.p2p_ms, "runtime_p2p_ms": overhead.runtime_p2p_ms}
-        moved = {key: round(max(value + shift, 0.0), 4) for key, value in prices.items()
-                 if value > 0 or key == field}
+        prices = {"p2p_ms": overhead.p2p_ms, "runtime_p2p_ms": overhead.runtime_p2p_ms,
+                  "gpipe_p2p_ms": overhead.gpipe_p2p_ms}
+        moved = {key: round(max(value + shift, 1e-4 if key == "gpipe_p2p_ms" else 0.0), 4)
+                 for key, value in prices.items() if value > 0 or key == field}
         record["post"] = {"field": field, "before_ms": getattr(overhead, field),
                           "after_ms": moved[field], "other_prices": {
                               key: [prices[key], value] for key, value in moved.items()
@@ -126,13 +127,13 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
                    ) -> tuple[RuntimeOverhead, dict[str, Any]]:
     """Price a post of ``plan``'s kind of schedule so that the plan predicts a run's step.
 
-    The price (``p2p_ms`` single-stage, ``runtime_p2p_ms`` multi-stage) is found by
-    bisection: the simulated step of ``plan``'s stages (``costs``, the plan's own by
+    The price (``post_field``: 1F1B's ``p2p_ms``, GPipe's ``gpipe_p2p_ms``, the action
+    runtime's ``runtime_p2p_ms``) is found by bisection: the simulated step of ``plan``'s stages (``costs``, the plan's own by
     default) grows with it. Where even free posts predict a longer step than the run's,
     the posts are free and, with ``others``, the link's one-way latency (the machine
     check's ping-pong, which a pipeline's transfers overlap) is lowered to the one that
     predicts the run, down to 0. With ``others``, the other kind's price moves by as much
-    as the fitted one.
+    as the fitted one (GPipe's price is its own: nothing else moves).
 
     Args:
         plan: The plan that ran.
@@ -149,7 +150,9 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
     from autopart.simulate import simulate, with_step_overhead
 
     costs = list(costs) if costs is not None else stage_costs_of_plan(plan)
-    field = "runtime_p2p_ms" if schedule_info(plan.schedule).multi_stage else "p2p_ms"
+    field = post_field(plan.schedule)
+    gpipe = field == "gpipe_p2p_ms"  # its own price: 0 would read as not measured
+    before = getattr(overhead, field) or (overhead.p2p_ms if gpipe else 0.0)
     own_latency = plan.setup.link_latency_ms == overhead.link_latency_ms
 
     # a stage's F and B carry p2p_ms per cut next to it (``autopart.cost.stage``)
@@ -170,30 +173,42 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
         return with_step_overhead(result, setup, charged, plan.schedule,
                                   plan.virtual_stages).step_ms
 
-    price = _bisect(lambda v: step(**{field: v}), measured_step_ms, 0.0,
-                    max(4 * getattr(overhead, field), 1.0))
+    lowest = 1e-4 if gpipe else 0.0
+    price = _bisect(lambda v: step(**{field: v}), measured_step_ms, lowest,
+                    max(4 * before, 1.0))
     if price is None:  # no post on the path (one stage), or a run far slower than any price
-        price = getattr(overhead, field)
+        price = before
     moved = {field: price}
     latency = overhead.link_latency_ms
+    others = others and not gpipe
     if others and own_latency and price == 0.0:
         latency = _bisect(lambda v: step(**{field: 0.0, "link_latency_ms": v}),
                           measured_step_ms, 0.0, latency) or 0.0
         moved["link_latency_ms"] = latency
-    shift = price - getattr(overhead, field)
+    shift = price - before
     if others:
-        moved.update({key: max(getattr(overhead, key) + shift, 0.0)
-                      for key in ("p2p_ms", "runtime_p2p_ms")
+        moved.update({key: max(getattr(overhead, key) + shift,
+                               1e-4 if key == "gpipe_p2p_ms" else 0.0)
+                      for key in ("p2p_ms", "runtime_p2p_ms", "gpipe_p2p_ms")
                       if key != field and getattr(overhead, key) > 0})
     moved = {key: round(value, 4) for key, value in moved.items()}
     record: dict[str, Any] = {
-        "field": field, "before_ms": getattr(overhead, field), "after_ms": moved[field],
+        "field": field, "before_ms": before, "after_ms": moved[field],
         "fitted_to_step_ms": round(measured_step_ms, 3), "other_prices": {
             key: [getattr(overhead, key), value] for key, value in moved.items()
             if key not in (field, "link_latency_ms")}}
     if latency != overhead.link_latency_ms:
         record["link_latency_ms"] = [overhead.link_latency_ms, moved["link_latency_ms"]]
     return dataclasses.replace(overhead, **moved), record
+
+
+def post_field(schedule: str) -> str:
+    """The ``RuntimeOverhead`` price a post of ``schedule`` pays: ``runtime_p2p_ms`` under
+    torch's action runtime (multi-stage schedules), ``gpipe_p2p_ms`` under GPipe,
+    ``p2p_ms`` under 1F1B."""
+    if schedule_info(schedule).multi_stage:
+        return "runtime_p2p_ms"
+    return "gpipe_p2p_ms" if schedule == "gpipe" else "p2p_ms"
 
 
 def _bisect(step: Callable[[float], float], target: float, low: float,

@@ -12,8 +12,11 @@ predicted F and B, and the price per post at which the run's step is predicted. 
 run, the even split under Interleaved 1F1B (v 2), prices the posts of torch's action
 runtime (every multi-stage schedule) the same way, as the first cannot: its posts cost
 more, and the machine check's difference between the two kinds does not hold on a real
-model. ``autopart profile --pp N`` does it on CPU; ``--no-rehearsal`` keeps the blocks
-as measured.
+model. A third, the even split under GPipe at ``4 x pp`` microbatches (the planner's
+default count), prices GPipe's posts (``RuntimeOverhead.gpipe_p2p_ms``): GPipe waits its
+forward sends after every forward and its backward sends when the step ends, and its
+posts cost several times 1F1B's. ``autopart profile --pp N`` does it on CPU;
+``--no-rehearsal`` keeps the blocks as measured.
 """
 
 from __future__ import annotations
@@ -99,11 +102,26 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
             runtime = (f"; interleaved 1F1B (v 2) measured {second.measured_step_ms:.1f} ms: "
                        f"{fitted['before_ms']:.3f} -> {fitted['after_ms']:.3f} ms per post "
                        f"of the action runtime")
+    gpipe = ""
+    if calibrated.runtime_overhead is not None:
+        try:
+            waits = make_plan(calibrated, pp_size=pp_size, num_microbatches=4 * pp_size,
+                              schedule="gpipe", virtual_stages=1, partition="even")
+            third = verify_plan(waits, settings, progress=progress)
+        except AutopartError as exc:
+            gpipe = f"; GPipe not rehearsed ({exc})"
+        else:
+            overhead, record["gpipe_post"] = fit_post_price(
+                waits, third.measured_step_ms, calibrated.runtime_overhead, others=False)
+            calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
+            fitted = record["gpipe_post"]
+            gpipe = (f"; GPipe (m {waits.num_microbatches}) measured "
+                     f"{third.measured_step_ms:.1f} ms: {fitted['after_ms']:.3f} ms per post")
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
                f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}{latency}"
-               f"{runtime}")
+               f"{runtime}{gpipe}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
                      summary=summary)
