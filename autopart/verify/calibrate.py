@@ -132,8 +132,9 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
     stages (``costs``, the plan's own by default) grows with it. Where even free posts
     predict a longer step than the run's, the posts are free and, with ``others``, the
     link's one-way latency (the machine check's ping-pong, which a pipeline's transfers
-    overlap) is lowered to the one that predicts the run, down to 0. With ``others``, the other kind's price moves by as much
-    as the fitted one (GPipe's price is its own: nothing else moves).
+    overlap) is lowered to the one that predicts the run, down to 0. With ``others``, the
+    other kinds' prices move by as much as the fitted one (GPipe's price is its own:
+    nothing else moves).
 
     Args:
         plan: The plan that ran.
