@@ -86,42 +86,30 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     latency = (f", link latency {post['link_latency_ms'][0]:.3f} -> "
                f"{post['link_latency_ms'][1]:.3f} ms" if post and "link_latency_ms" in post
                else "")
-    runtime = ""
-    if calibrated.runtime_overhead is not None:
+    priced = []
+    for key, name, schedule, v, m in (
+            ("runtime_post", "interleaved 1F1B (v 2)", "interleaved-1f1b", 2, 2 * pp_size),
+            ("gpipe_post", f"GPipe (m {4 * pp_size})", "gpipe", 1, 4 * pp_size)):
+        if calibrated.runtime_overhead is None:
+            break
         try:
-            multi = make_plan(calibrated, pp_size=pp_size, num_microbatches=2 * pp_size,
-                              schedule="interleaved-1f1b", virtual_stages=2, partition="even")
-            second = verify_plan(multi, settings, progress=progress)
+            kind = make_plan(calibrated, pp_size=pp_size, num_microbatches=m,
+                             schedule=schedule, virtual_stages=v, partition="even")
+            run = verify_plan(kind, settings, progress=progress)
         except AutopartError as exc:
-            runtime = f"; the action runtime not rehearsed ({exc})"
-        else:
-            overhead, record["runtime_post"] = fit_post_price(
-                multi, second.measured_step_ms, calibrated.runtime_overhead, others=False)
-            calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
-            fitted = record["runtime_post"]
-            runtime = (f"; interleaved 1F1B (v 2) measured {second.measured_step_ms:.1f} ms: "
-                       f"{fitted['before_ms']:.3f} -> {fitted['after_ms']:.3f} ms per post "
-                       f"of the action runtime")
-    gpipe = ""
-    if calibrated.runtime_overhead is not None:
-        try:
-            waits = make_plan(calibrated, pp_size=pp_size, num_microbatches=4 * pp_size,
-                              schedule="gpipe", virtual_stages=1, partition="even")
-            third = verify_plan(waits, settings, progress=progress)
-        except AutopartError as exc:
-            gpipe = f"; GPipe not rehearsed ({exc})"
-        else:
-            overhead, record["gpipe_post"] = fit_post_price(
-                waits, third.measured_step_ms, calibrated.runtime_overhead, others=False)
-            calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
-            fitted = record["gpipe_post"]
-            gpipe = (f"; GPipe (m {waits.num_microbatches}) measured "
-                     f"{third.measured_step_ms:.1f} ms: {fitted['after_ms']:.3f} ms per post")
+            priced.append(f"; {name} not rehearsed ({exc})")
+            continue
+        overhead, record[key] = fit_post_price(kind, run.measured_step_ms,
+                                               calibrated.runtime_overhead, others=False)
+        calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
+        priced.append(f"; {name} measured {run.measured_step_ms:.1f} ms: "
+                      f"{record[key]['before_ms']:.3f} -> {record[key]['after_ms']:.3f} ms "
+                      f"per post")
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
                f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}{latency}"
-               f"{runtime}{gpipe}")
+               f"{''.join(priced)}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
                      summary=summary)
