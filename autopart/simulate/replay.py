@@ -48,7 +48,8 @@ def with_step_overhead(result: SimResult, setup: TrainingSetup,
                                bubble_fraction=sum(idle) / (len(idle) * step))
 
 
-def simulate_plan(plan: Plan, *, record_events: bool = True) -> SimResult:
+def simulate_plan(plan: Plan, *, record_events: bool = True,
+                  costs: Sequence[StageCost] | None = None) -> SimResult:
     """Simulate one training step of ``plan`` from what the plan records.
 
     The stage costs, schedule, pp, virtual stages and microbatches are the plan's;
@@ -60,6 +61,8 @@ def simulate_plan(plan: Plan, *, record_events: bool = True) -> SimResult:
         plan: The plan to replay.
         record_events: Keep every action's start and end (for timelines and
             traces); ``False`` is faster when only the figures are needed.
+        costs: The stages' costs to use instead of the plan's (what-ifs on its cuts,
+            e.g. calibrated times).
 
     Returns:
         Step time, bubble, per-rank busy, idle and peak memory, and the events.
@@ -68,7 +71,7 @@ def simulate_plan(plan: Plan, *, record_events: bool = True) -> SimResult:
         PlanError: The plan's schedule is unknown or its stages do not match
             ``pp_size * virtual_stages``.
     """
-    costs = stage_costs_of_plan(plan)
+    costs = list(costs) if costs is not None else stage_costs_of_plan(plan)
     result = simulate(costs, schedule=plan.schedule, pp_size=plan.pp_size,
                       virtual_stages=plan.virtual_stages,
                       num_microbatches=plan.num_microbatches, setup=plan.setup,

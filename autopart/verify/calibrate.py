@@ -100,19 +100,17 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
               "measured_step_ms": report.measured_step_ms, "factors": factors,
               "previous": previous}
     overhead = profile.runtime_overhead
-    post = measured_post_ms(report, overhead)
     if overhead is not None and plan is not None and report.measured_step_ms > 0:
         costs = [_changed(cost, changes.get(s, {}), first=s == 0)
                  for s, cost in enumerate(stage_costs_of_plan(plan))]
         overhead, record["post"] = fit_post_price(plan, report.measured_step_ms, overhead,
                                                   costs)
-    elif overhead is not None and post is not None:
+    elif overhead is not None and (post := measured_post_ms(report, overhead)) is not None:
         field = "runtime_p2p_ms" if schedule_info(report.schedule).multi_stage else "p2p_ms"
         shift = post - getattr(overhead, field)
-        prices = {"p2p_ms": overhead.p2p_ms, "runtime_p2p_ms": overhead.runtime_p2p_ms,
-                  "gpipe_p2p_ms": overhead.gpipe_p2p_ms}
-        moved = {key: round(max(value + shift, 1e-4 if key == "gpipe_p2p_ms" else 0.0), 4)
-                 for key, value in prices.items() if value > 0 or key == field}
+        prices = {key: getattr(overhead, key) for key in _PRICES}
+        moved = {key: round(_moved(key, value, shift), 4) for key, value in prices.items()
+                 if value > 0 or key == field}
         record["post"] = {"field": field, "before_ms": getattr(overhead, field),
                           "after_ms": moved[field], "other_prices": {
                               key: [prices[key], value] for key, value in moved.items()
@@ -148,7 +146,7 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
         (``field``, ``before_ms``, ``after_ms``, ``fitted_to_step_ms``, ``other_prices``
         and, where it moved, ``link_latency_ms`` before and after).
     """
-    from autopart.simulate import simulate, with_step_overhead
+    from autopart.simulate import simulate_plan
 
     costs = list(costs) if costs is not None else stage_costs_of_plan(plan)
     field = post_field(plan.schedule)
@@ -167,12 +165,8 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
         charged = [dataclasses.replace(cost, fwd_ms=cost.fwd_ms + delta * n,
                                        bwd_input_ms=cost.bwd_input_ms + delta * n)
                    for cost, n in zip(costs, cuts)]
-        result = simulate(charged, schedule=plan.schedule, pp_size=plan.pp_size,
-                          virtual_stages=plan.virtual_stages,
-                          num_microbatches=plan.num_microbatches, setup=setup,
-                          record_events=False)
-        return with_step_overhead(result, setup, charged, plan.schedule,
-                                  plan.virtual_stages).step_ms
+        return simulate_plan(dataclasses.replace(plan, setup=setup), record_events=False,
+                             costs=charged).step_ms
 
     lowest = 1e-4 if gpipe else 0.0
     price = _bisect(lambda v: step(**{field: v}), measured_step_ms, lowest,
@@ -188,9 +182,7 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
         moved["link_latency_ms"] = latency
     shift = price - before
     if others:
-        moved.update({key: max(getattr(overhead, key) + shift,
-                               1e-4 if key == "gpipe_p2p_ms" else 0.0)
-                      for key in ("p2p_ms", "runtime_p2p_ms", "gpipe_p2p_ms")
+        moved.update({key: _moved(key, getattr(overhead, key), shift) for key in _PRICES
                       if key != field and getattr(overhead, key) > 0})
     moved = {key: round(value, 4) for key, value in moved.items()}
     record: dict[str, Any] = {
@@ -201,6 +193,16 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
     if latency != overhead.link_latency_ms:
         record["link_latency_ms"] = [overhead.link_latency_ms, moved["link_latency_ms"]]
     return dataclasses.replace(overhead, **moved), record
+
+
+_PRICES = ("p2p_ms", "runtime_p2p_ms", "gpipe_p2p_ms")
+"""``RuntimeOverhead``'s prices per post, one per kind of schedule (``post_field``)."""
+
+
+def _moved(key: str, price: float, shift: float) -> float:
+    """``price`` moved by ``shift``, at least 0 (GPipe's at least 1e-4: 0 reads as not
+    measured)."""
+    return max(price + shift, 1e-4 if key == "gpipe_p2p_ms" else 0.0)
 
 
 def post_field(schedule: str) -> str:
