@@ -124,6 +124,8 @@ class Run:
     report: RunReport
     predicted: dict[str, Plan] = field(default_factory=dict)
     """Method -> the plan with the same cuts predicted from that method's profile."""
+    probe_ms: float = 0.0
+    """Median of the machine probe taken just before the run (``machine_probe``)."""
 
 
 def _round8(n: int) -> int:
@@ -264,8 +266,9 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def run_rows(runs: list[Run], method: str) -> list[list[str]]:
-    """Every run under ``method``: predicted, measured, step error, worst stage errors."""
+def run_rows(runs: list[Run], method: str, quiet_ms: float) -> list[list[str]]:
+    """Every run under ``method``: predicted, measured, step error, worst stage errors,
+    and the probe before it against the sweep's quietest probe timing ``quiet_ms``."""
     rows = []
     for run in runs:
         if method not in run.predicted:
@@ -279,7 +282,8 @@ def run_rows(runs: list[Run], method: str) -> list[list[str]]:
                      " ".join(f"{100 * e:+.0f}%" for e in errors["F"]),
                      " ".join(f"{100 * e:+.0f}%" for e in errors["B"]),
                      " ".join(f"{100 * e:+.1f}%" for e in errors["memory"]),
-                     f"{cpu_share(run.report):.2f}"])
+                     f"{cpu_share(run.report):.2f}",
+                     f"{100 * (run.probe_ms / quiet_ms - 1):+.0f}%"])
     return rows
 
 
@@ -288,6 +292,35 @@ def cpu_share(report: RunReport) -> float:
     the rank was descheduled (other work shared the cores) and its times are the load's."""
     return min((r.measured_cpu_ms / r.measured_busy_ms for r in report.ranks
                 if r.measured_busy_ms), default=1.0)
+
+
+def machine_probe(timings: int = 30) -> list[float]:
+    """Time a fixed one-thread matmul ``timings`` times back to back (ms each): the
+    machine's own noise while the sweep runs. The load average does not see a busy host
+    under a virtual machine; this does (a quiet core times it within a few percent)."""
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(timings):
+        began = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        times.append(1000 * (time.perf_counter() - began))
+    return times
+
+
+def probe_line(probes: list[list[float]]) -> str:
+    """One sentence on the probes: the quiet time (the lowest) and how far the median and
+    the 90th percentile of all timings were above it."""
+    every = sorted(t for p in probes for t in p)
+    if not every:
+        return ""
+    quiet, median = every[0], statistics.median(every)
+    p90 = every[int(0.9 * (len(every) - 1))]
+    return (f"machine probe (a fixed one-thread matmul timed {len(every)} times, 30 "
+            f"before each run): quietest {quiet:.2f} ms, median "
+            f"{100 * (median / quiet - 1):+.0f}%, p90 {100 * (p90 / quiet - 1):+.0f}%, "
+            f"worst {100 * (every[-1] / quiet - 1):+.0f}%")
 
 
 def main() -> None:
@@ -300,7 +333,7 @@ def main() -> None:
                         help="FLUSH:NEIGHBOURS[:CLOCK],...; the first makes the plans "
                         "(default: what `autopart profile --pp 2` does: the cpu default "
                         "flush, one neighbour, the auto clock)")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--loop", action="store_true", help="verify -> calibrate -> replan "
@@ -321,6 +354,7 @@ def main() -> None:
     settings_of = {}
     runs: list[Run] = []
     loop_rows: list[list[str]] = []
+    probes: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="timing-sweep-") as tmp:
         for index in indices:
             shape = SHAPES[index]
@@ -339,8 +373,10 @@ def main() -> None:
                     plan = make_plan(profiles[names[0]], pp_size=2,
                                      num_microbatches=args.microbatches, schedule=schedule,
                                      virtual_stages=v, partition=partition)
+                    probes.append(machine_probe())
                     report = verify_plan(plan, settings_of[shape.name])
-                    run = Run(shape.name, schedule, partition, report, {names[0]: plan})
+                    run = Run(shape.name, schedule, partition, report, {names[0]: plan},
+                              statistics.median(probes[-1]))
                     for name in names[1:]:
                         try:
                             run.predicted[name] = same_cuts(profiles[name], plan)
@@ -359,14 +395,14 @@ def main() -> None:
                                             settings_of[shape.name]))
                 print("  loop: " + " ".join(loop_rows[-1][1:]), flush=True)
             write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads,
-                          load_before, start, final=False)
-    write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads,
+                          probes, load_before, start, final=False)
+    write_outputs(args, indices, schedules, threads, names, runs, loop_rows, loads, probes,
                   load_before, start, final=True)
 
 
 def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple,
                   threads: int, names: list[str], runs: list[Run],
-                  loop_rows: list[list[str]], loads: list[float],
+                  loop_rows: list[list[str]], loads: list[float], probes: list[list[float]],
                   load_before: tuple[float, ...], start: float, final: bool) -> None:
     """Write the markdown (``--out``) and JSON (``--json``) of the runs so far (after each
     shape, so a sweep cut short keeps what it measured); print them when ``final``."""
@@ -375,25 +411,28 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     header = ["method", "runs", "step", "stage F", "stage B", "stage F vs CPU time",
               "stage B vs CPU time", "speed-up", "memory"]
     summary = summary_rows(runs, names)
+    quiet = min((t for p in probes for t in p), default=1.0)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
             f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps; "
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
-            f"({os.cpu_count()} cores); {elapsed:.0f} s"
+            f"({os.cpu_count()} cores); {probe_line(probes)}; {elapsed:.0f} s"
             f"{'' if final else f'; cut short after {len(runs)} runs'}.",
             "",
             "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "
             "time\": against the stage's thread CPU time, which a rank descheduled by other "
             "load does not accrue; cpu/busy: the lowest rank's CPU time over its compute "
-            "spans (1: never descheduled):", "",
+            "spans (1: never descheduled); probe: the machine probe's median just before "
+            "the run against its quietest timing in the sweep:", "",
             markdown_table(header, summary)]
     for name in names:
         text += ["", f"Runs, predicted from the profile taken with {name}:", "",
                  markdown_table(["shape", "schedule", "split", "pred ms", "meas ms", "step err",
-                                 "spread", "stage F err", "stage B err", "memory err", "cpu/busy"],
-                                run_rows(runs, name))]
+                                 "spread", "stage F err", "stage B err", "memory err", "cpu/busy",
+                                 "probe"],
+                                run_rows(runs, name, quiet))]
         speed = speedup_errors(runs, name)
         text += ["", markdown_table(
             ["shape", "schedule", "speed-up measured", "predicted", "error"],
@@ -409,14 +448,14 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"command": command, "load_before": load_before, "load_after": load_after,
-             "loads": loads, "summary": summary,
+             "loads": loads, "probes": probes, "summary": summary,
              "runs": [{"shape": r.shape, "schedule": r.schedule, "partition": r.partition,
                        "measured_step_ms": r.report.measured_step_ms,
                        "cuts": list(r.predicted[names[0]].pipeline_cuts),
                        "granularity": r.predicted[names[0]].granularity,
                        "measured_memory_bytes": [k.measured_peak_memory_bytes
                                                  for k in r.report.ranks],
-                       "cpu_share": cpu_share(r.report),
+                       "cpu_share": cpu_share(r.report), "probe_ms": r.probe_ms,
                        "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
              "loop": loop_rows}, indent=1))
 

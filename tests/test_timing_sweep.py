@@ -50,3 +50,12 @@ def test_distribution_is_median_p90_worst_of_magnitudes():
     values = [0.01 * i * (-1) ** i for i in range(1, 11)]  # 1% .. 10%, signs alternating
     assert timing_sweep.distribution(values) == "5.5% / 9.0% / 10.0%"
     assert timing_sweep.distribution([]) == "-"
+
+
+def test_probe_line_reads_against_the_quietest_timing():
+    """The machine probe's sentence: quietest timing, then median, p90 and worst above it."""
+    line = timing_sweep.probe_line([[2.0, 2.2, 2.0], [2.4, 3.0], [6.0]])
+    assert "timed 6 times" in line and "quietest 2.00 ms" in line
+    assert "median +15%" in line and "p90 +50%" in line and "worst +200%" in line
+    assert timing_sweep.probe_line([]) == ""
+    assert len(timing_sweep.machine_probe(timings=3)) == 3
