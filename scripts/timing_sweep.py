@@ -241,10 +241,22 @@ def distribution(values: list[float]) -> str:
             f"{100 * mags[-1]:.1f}%")
 
 
-def summary_rows(runs: list[Run], methods: list[str]) -> list[list[str]]:
-    """One row per method: the distributions of each error over every run."""
+QUIET = 0.15
+"""A run is *quiet* when the machine probe before it read within 15% of the sweep's
+quietest timing: the host was not running the sweep's ranks slower than at its best."""
+
+
+def summary_rows(runs: list[Run], methods: list[str],
+                 quiet_ms: float | None = None) -> list[list[str]]:
+    """One row per method: the distributions of each error over every run; with
+    ``quiet_ms`` (the sweep's quietest probe timing) the first method again over the
+    quiet runs only (``QUIET``), the speed-up where both of its runs were quiet."""
     rows = []
-    for method in methods:
+    quiet = [r for r in runs if quiet_ms and r.probe_ms <= (1 + QUIET) * quiet_ms]
+    subsets = [(m, m, runs) for m in methods]
+    if quiet_ms and methods:
+        subsets.append((methods[0], f"{methods[0]}, quiet runs only", quiet))
+    for method, label, runs in subsets:
         pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "F cpu": [],
                                           "B cpu": [], "memory": []}
         for run in runs:
@@ -252,7 +264,7 @@ def summary_rows(runs: list[Run], methods: list[str]) -> list[list[str]]:
                 for key, values in run_errors(run, method).items():
                     pooled[key] += values
         speed = [rel(p, m) for _, _, m, p in speedup_errors(runs, method)]
-        rows.append([method, str(len(pooled["step"])), distribution(pooled["step"]),
+        rows.append([label, str(len(pooled["step"])), distribution(pooled["step"]),
                      distribution(pooled["F"]), distribution(pooled["B"]),
                      distribution(pooled["F cpu"]), distribution(pooled["B cpu"]),
                      distribution(speed), distribution(pooled["memory"])])
@@ -410,8 +422,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     elapsed = time.perf_counter() - start
     header = ["method", "runs", "step", "stage F", "stage B", "stage F vs CPU time",
               "stage B vs CPU time", "speed-up", "memory"]
-    summary = summary_rows(runs, names)
     quiet = min((t for p in probes for t in p), default=1.0)
+    summary = summary_rows(runs, names, quiet)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
@@ -425,7 +437,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             "time\": against the stage's thread CPU time, which a rank descheduled by other "
             "load does not accrue; cpu/busy: the lowest rank's CPU time over its compute "
             "spans (1: never descheduled); probe: the machine probe's median just before "
-            "the run against its quietest timing in the sweep:", "",
+            "the run against its quietest timing in the sweep; quiet runs: probe within "
+            f"{100 * QUIET:.0f}% of it:", "",
             markdown_table(header, summary)]
     for name in names:
         text += ["", f"Runs, predicted from the profile taken with {name}:", "",
