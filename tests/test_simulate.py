@@ -253,6 +253,20 @@ def test_dualpipev_expands_overlapped_pairs() -> None:
     assert row[start:start + 3] == [("F", 0, 3), ("B", 3, 1), ("W", 3, 1)]
 
 
+def test_full_backwards_hold_nothing_for_their_w() -> None:
+    """DualPipeV runs its overlapped phase's backwards whole (one torch action B W, as a
+    live-tensor run shows), so they keep no gradients for a later W; ZBV's B and W are two
+    actions. Rank 0 of pp 2, m 8: only the first B of stage 3 and the last two of stage 0
+    are split."""
+    from autopart.simulate._compiled_arrays import compiled_arrays
+    from autopart.simulate.compiled import _full_backwards
+
+    rows = compiled_arrays("dualpipev", 2, 2, 8)[0]
+    full = [(int(s), int(mb)) for s, mb in rows[_full_backwards(rows)][:, 1:3]]
+    assert sorted(full) == [(0, mb) for mb in range(6)] + [(3, mb) for mb in range(1, 8)]
+    assert not any(_full_backwards(r).any() for r in compiled_arrays("zbv", 2, 2, 8))
+
+
 # --- traces -------------------------------------------------------------------------------------
 
 

@@ -194,6 +194,18 @@ def test_live_peak_keeps_an_earlier_storage_at_a_gradient_address():
     assert peak_without_last(events, set()) == 10
 
 
+def test_step_peak_counts_a_buffer_only_until_a_tensor_of_the_step_replaces_it():
+    """A V schedule's buffer of 4 bytes from the last step is replaced after event 0 by
+    the tensor allocated there (counted live): the sum peaks at 4 + 4 before it, not at
+    the live peak 6 plus the buffers seen after the step (4)."""
+    from autopart.verify.memory import peak_over_step
+
+    events = [(1, 4), (2, 2), (2, -2)]
+    assert peak_over_step(events, set(), [(0, 4), (1, 0)]) == (4, 4)
+    assert peak_over_step(events, set(), [(0, 4)]) == (6, 4)  # never replaced
+    assert peak_over_step([], set(), [(0, 4), (0, 1)]) == (0, 4)
+
+
 def test_thread_mismatch_line_names_the_fix(report):
     """The report keeps the profile's thread count; a different rank count gets one line."""
     from autopart.runtime.validate import thread_mismatch

@@ -19,7 +19,7 @@ kernel; on CUDA the allocator's peak is used for the transient figure instead.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, KeysView
 from typing import Any
 
 import torch
@@ -117,6 +117,11 @@ class LiveTensors(TorchDispatchMode):
         if entry[1] == 0:
             del self._live[key]
             self.events.append((key, -entry[0]))
+
+    @property
+    def allocated(self) -> KeysView[int]:
+        """Keys of the storages allocated under this mode and alive now."""
+        return self._live.keys()
 
     def peak_bytes(self, exclude: set[int] = frozenset()) -> int:
         """Peak of the live bytes over the log, ignoring storages in ``exclude``."""

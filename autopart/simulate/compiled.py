@@ -135,20 +135,34 @@ def held_counts(schedule: str, pp_size: int, virtual_stages: int, num_microbatch
     for rank, rows in enumerate(compiled_arrays(schedule, pp_size, virtual_stages,
                                                 num_microbatches)):
         stages = tuple(stages_of_rank(rank, pp_size, virtual_stages, info.style))
-        table = _moments(rows[:, 0], rows[:, 1], stages, info.split_backward)
+        table = _moments(rows[:, 0], rows[:, 1], stages, info.split_backward,
+                         _full_backwards(rows) if info.split_backward else None)
         out.append((stages, table[:, :-2], table[:, -2], table[:, -1].astype(bool)))
     return tuple(out)
 
 
+def _full_backwards(rows: np.ndarray) -> np.ndarray:
+    """Rows of a split schedule's order that are a ``B`` torch runs as one full backward
+    with the ``W`` after it (one group: DualPipeV's overlapped ``F B W``, a schedule's
+    ``FULL_BACKWARD``), not as ``BACKWARD_INPUT`` then ``BACKWARD_WEIGHT``."""
+    kind, stage, mb, flush = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 9]
+    full = np.zeros(len(rows), dtype=bool)
+    full[:-1] = ((kind[:-1] == 1) & (flush[:-1] == 0) & (kind[1:] == 2)
+                 & (stage[1:] == stage[:-1]) & (mb[1:] == mb[:-1]))
+    return full
+
+
 def _moments(kind: np.ndarray, stage: np.ndarray, stages: tuple[int, ...],
-             split_backward: bool) -> np.ndarray:
+             split_backward: bool, full: np.ndarray | None = None) -> np.ndarray:
     """One rank's distinct ``(held per column..., running column, pays)`` rows, sorted.
 
     A moment is taken after the action's ``F`` took its microbatch and before its
     backward let one go: held = the changes of the actions before it, plus its own
     ``F``. ``B`` releases its column (and, split, holds the microbatch in the B-to-W
-    column), ``W`` releases the B-to-W column. Array arithmetic over the rank's actions
-    (a loop over them cost as much as building the whole order).
+    column), ``W`` releases the B-to-W column. A full backward (``full``: the ``B`` of a
+    ``B W`` torch runs as one action) keeps no gradients for a later ``W``: the
+    microbatch stays in its F-to-B column until the ``W`` releases it. Array arithmetic
+    over the rank's actions (a loop over them cost as much as building the whole order).
     """
     num = len(stages)
     column = np.zeros(max(stages) + 1, dtype=np.int64)
@@ -163,6 +177,11 @@ def _moments(kind: np.ndarray, stage: np.ndarray, stages: tuple[int, ...],
     if split_backward:
         after[rows[backward], num + col[backward]] = 1
         after[rows[weight], num + col[weight]] = -1
+        if full is not None and full.any():
+            b = rows[full]
+            after[b, col[b]] = after[b, num + col[b]] = 0
+            after[b + 1, num + col[b]] = 0
+            after[b + 1, col[b]] = -1
     held = np.cumsum(before, axis=0) + np.cumsum(after, axis=0) - after
     # Backwards and releasing backwards done before the moment (what a send still holds).
     done = np.zeros_like(before)
