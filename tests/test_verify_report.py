@@ -187,11 +187,11 @@ def test_calibrate_command(profile, plan, report, tmp_path, capsys):
 
 def test_live_peak_keeps_an_earlier_storage_at_a_gradient_address():
     """Address 1 holds a 5-byte temporary, then (freed) a gradient: only the gradient goes."""
-    from autopart.verify.memory import peak_without_last
+    from autopart.verify.memory import peak_over_step
 
     events = [(1, 5), (2, 3), (1, -5), (1, 7), (2, -3)]
-    assert peak_without_last(events, {1}) == 8
-    assert peak_without_last(events, set()) == 10
+    assert peak_over_step(events, {1}, []) == (8, 0)
+    assert peak_over_step(events, set(), []) == (10, 0)
 
 
 def test_step_peak_counts_a_buffer_only_until_a_tensor_of_the_step_replaces_it():

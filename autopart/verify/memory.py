@@ -5,7 +5,8 @@ holds: weights, gradients, optimizer state, buffers, activations, workspaces).
 
 CPU has no allocator counter, so the bytes are counted from live tensors:
 parameters + gradients + optimizer state (this rank's shards of split ones) + torch's
-preallocated p2p receive buffers + the peak of the tensors allocated and alive during
+p2p receive buffers from before the step while they live (a V schedule's turn replaces
+them with the tensors it hands over) + the peak of the tensors allocated and alive during
 the step (FSDP's whole gradients among them), tracked with
 ``autopart.profile.memory.LiveTensors`` (gradients excluded from that peak, as they are
 counted whole) + FSDP's gathered parameters, which FSDP refills in place (sampled after
@@ -113,8 +114,8 @@ def _held_buffers(pipe: Any, live: LiveTensors, held: list[tuple[int, int]]) -> 
         seen: dict[int, int] = {}
         for t in _recv_buffers(pipe.pipe_stages):
             key = storage_key(t)
-            if key is not None and key not in live.allocated:
-                seen[key] = t.untyped_storage().nbytes()
+            if key is None or key not in live.allocated:  # no storage key: counted whole
+                seen[key if key is not None else id(t)] = t.untyped_storage().nbytes()
         held.append((len(live.events), sum(seen.values())))
 
     sample()
@@ -154,20 +155,16 @@ def _after_every_action(pipe: Any, sample: Callable[[], None] | None) -> Iterato
                 setattr(stage, name, before)
 
 
-def peak_without_last(events: list[tuple[int, int]], keys: set[int | None]) -> int:
-    """Peak of the live bytes, leaving out the latest allocation of each key in ``keys``.
-
-    Keys are storage addresses: an earlier storage freed at the address a gradient
-    later took is a different allocation and stays counted.
-    """
-    return sum(peak_over_step(events, keys, [(0, 0)]))
-
-
 def peak_over_step(events: list[tuple[int, int]], keys: set[int | None],
                    held: list[tuple[int, int]]) -> tuple[int, int]:
-    """``(live bytes, held bytes)`` where their sum peaks: live as ``peak_without_last``
-    counts it, held a step function of the event index (``(index, bytes)`` samples in
-    order, each holding from its index until the next)."""
+    """``(live bytes, held bytes)`` where their sum peaks.
+
+    Live bytes: the running sum of ``events`` leaving out the latest allocation of each
+    key in ``keys`` (the gradients, counted whole apart). Keys are storage addresses: an
+    earlier storage freed at the address a gradient later took is a different
+    allocation and stays counted. Held bytes: a step function of the event index,
+    ``(index, bytes)`` samples in order, each holding from its index until the next.
+    """
     last = {key: i for i, (key, delta) in enumerate(events) if key in keys and delta > 0}
     current, sample = 0, 0
     base = held[0][1] if held else 0

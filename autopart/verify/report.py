@@ -78,7 +78,8 @@ class MeasuredMemory:
     optimizer_bytes: int | None = None
     """Optimizer state, e.g. AdamW's two moments and step (CPU)."""
     buffer_bytes: int | None = None
-    """torch's preallocated p2p receive buffers (CPU)."""
+    """torch's p2p receive buffers from before the step still alive at the peak (CPU; the
+    tensors a V schedule hands over in their place this step are in ``live_peak_bytes``)."""
     live_peak_bytes: int | None = None
     """Peak of the tensors allocated and alive during the step, gradients left out (CPU)."""
     gathered_bytes: int | None = None
