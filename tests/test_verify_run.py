@@ -151,62 +151,57 @@ def test_tp_and_fsdp_plans_run_with_every_rank_memory_within_5_percent(cpu_profi
         assert error < 0.05, (r.rank, r.dp_rank, r.tp_rank, error, r.memory)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("interleaved-1f1b", 2)])
-def test_sends_waited_at_the_end_of_the_step_are_in_the_memory(schedule, v):
-    """torch's action runtime waits every send when the step ends (GPipe its backward
-    sends), so each output sent on and gradient sent back stays alive until then: at m 8
-    on long sequences that is a tenth of a rank's peak, and every rank is predicted
-    within 3% with it."""
+@pytest.fixture(scope="module")
+def long_profile():
+    """tiny-llama on CPU at 4 x 128 tokens, whole layers: a rank's sends are a tenth of
+    its peak at m 8."""
     import torch
-
-    from autopart.verify import RunSettings
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        profile = profile_model("tiny-llama", backend="cpu", micro_batch_size=4, seq_len=128,
-                                num_repeats=1, granularity="layer")
+        return profile_model("tiny-llama", backend="cpu", micro_batch_size=4, seq_len=128,
+                             num_repeats=1, granularity="layer")
     finally:
         torch.set_num_threads(threads)
+
+
+def _memory_errors(profile, schedule: str, v: int) -> list[tuple[int, float, object]]:
+    """(rank, |measured / predicted - 1|, measured parts) of the even split at m 8, run."""
+    from autopart.verify import RunSettings
+
     plan = make_plan(profile, pp_size=2, num_microbatches=8, schedule=schedule,
                      virtual_stages=v, partition="even")
     report = verify_plan(plan, RunSettings(model="tiny-llama", steps=1, warmup=1,
                                            threads_per_rank=1, timeout_s=240))
-    for r in report.ranks:
-        error = abs(r.measured_peak_memory_bytes / r.predicted_peak_memory_bytes - 1)
-        assert error < 0.03, (r.rank, error, r.memory)
+    return [(r.rank, abs(r.measured_peak_memory_bytes / r.predicted_peak_memory_bytes - 1),
+             r.memory) for r in report.ranks]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_sends_waited_at_the_end_of_the_step_are_in_the_memory(long_profile, schedule, v):
+    """torch's action runtime waits every send when the step ends (GPipe its backward
+    sends), so each output sent on and gradient sent back stays alive until then: at m 8
+    on long sequences that is a tenth of a rank's peak, and every rank is predicted
+    within 3% with it."""
+    for rank, error, parts in _memory_errors(long_profile, schedule, v):
+        assert error < 0.03, (rank, error, parts)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_v_schedules_memory_within_5_percent(schedule):
+def test_v_schedules_memory_within_5_percent(long_profile, schedule):
     """A V schedule's two stages on one rank hand tensors over in place of buffers (the
     measurement counts each once), and DualPipeV's overlapped backwards are whole (they
     keep nothing for a W): every rank within 5% at m 8 (ZBV's second rank read 7.5% short
     and DualPipeV's first 9.9% over without them)."""
-    import torch
-
-    from autopart.verify import RunSettings
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        profile = profile_model("tiny-llama", backend="cpu", micro_batch_size=4, seq_len=128,
-                                num_repeats=1, granularity="layer")
-    finally:
-        torch.set_num_threads(threads)
-    plan = make_plan(profile, pp_size=2, num_microbatches=8, schedule=schedule,
-                     virtual_stages=2, partition="even")
-    report = verify_plan(plan, RunSettings(model="tiny-llama", steps=1, warmup=1,
-                                           threads_per_rank=1, timeout_s=240))
-    for r in report.ranks:
-        error = abs(r.measured_peak_memory_bytes / r.predicted_peak_memory_bytes - 1)
-        assert error < 0.05, (r.rank, error, r.memory)
+    for rank, error, parts in _memory_errors(long_profile, schedule, 2):
+        assert error < 0.05, (rank, error, parts)
 
 
 def test_plan_for_another_model(files, capsys):
