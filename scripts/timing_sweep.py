@@ -256,14 +256,14 @@ def summary_rows(runs: list[Run], methods: list[str],
     subsets = [(m, m, runs) for m in methods]
     if quiet_ms and methods:
         subsets.append((methods[0], f"{methods[0]}, quiet runs only", quiet))
-    for method, label, runs in subsets:
+    for method, label, subset in subsets:
         pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "F cpu": [],
                                           "B cpu": [], "memory": []}
-        for run in runs:
+        for run in subset:
             if method in run.predicted:
                 for key, values in run_errors(run, method).items():
                     pooled[key] += values
-        speed = [rel(p, m) for _, _, m, p in speedup_errors(runs, method)]
+        speed = [rel(p, m) for _, _, m, p in speedup_errors(subset, method)]
         rows.append([label, str(len(pooled["step"])), distribution(pooled["step"]),
                      distribution(pooled["F"]), distribution(pooled["B"]),
                      distribution(pooled["F cpu"]), distribution(pooled["B cpu"]),
