@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
                       highlight=False)
     post = calibrated.calibration.get("post")
     if post:
-        how = (f"at which the plan predicts the run's step, {post['fitted_to_step_ms']:.1f} ms"
-               if "fitted_to_step_ms" in post else
+        how = (f"at which the plan predicts {post['predicted_step_ms']:.1f} ms against the "
+               f"run's {post['run_step_ms']:.1f} ms" if "run_step_ms" in post else
                "the run's time outside its actions and waits (pass --plan to fit the step)")
         latency = post.get("link_latency_ms")
         console.print(f"per send or receive posted ({post['field']}): {post['before_ms']:.3f} "

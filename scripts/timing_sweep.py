@@ -9,7 +9,10 @@ from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 51
    and the rehearsal folded in (``autopart.verify.rehearse``: the even split's run);
 2. ``autopart plan`` for pp 2 under 1F1B (v 1) and Interleaved 1F1B (v 2), each as the
    plan (``optimal``) and as the even split;
-3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code).
+3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code), in two
+   launches and a third where their steps differ by more than 10%, the median kept
+   (``verify_steadily``, as the rehearsal measures; ``--one-launch``: one launch, as the
+   sweeps before r9 did).
 
 It prints, and writes as markdown (``--out``), every run's predicted and measured step,
 and the distribution (median, 90th percentile, worst) of the step error, the per-stage
@@ -61,6 +64,7 @@ from autopart.verify import (
     rehearse,
     save_cached_overhead,
     verify_plan,
+    verify_steadily,
 )
 
 
@@ -126,6 +130,8 @@ class Run:
     """Method -> the plan with the same cuts predicted from that method's profile."""
     probe_ms: float = 0.0
     """Median of the machine probe taken just before the run (``machine_probe``)."""
+    launches: tuple[float, ...] = ()
+    """Every launch's measured step, in launch order (``report`` is the median one's)."""
 
 
 def _round8(n: int) -> int:
@@ -295,7 +301,8 @@ def run_rows(runs: list[Run], method: str, quiet_ms: float) -> list[list[str]]:
                      " ".join(f"{100 * e:+.0f}%" for e in errors["B"]),
                      " ".join(f"{100 * e:+.1f}%" for e in errors["memory"]),
                      f"{cpu_share(run.report):.2f}",
-                     f"{100 * (run.probe_ms / quiet_ms - 1):+.0f}%"])
+                     f"{100 * (run.probe_ms / quiet_ms - 1):+.0f}%",
+                     " ".join(f"{step:.1f}" for step in run.launches)])
     return rows
 
 
@@ -347,6 +354,8 @@ def main() -> None:
                         "flush, one neighbour, the auto clock)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--one-launch", action="store_true", help="measure each run in one "
+                        "launch (default: two, a third on disagreement, the median kept)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--loop", action="store_true", help="verify -> calibrate -> replan "
                         "-> verify the 1F1B plan of each shape")
@@ -386,9 +395,9 @@ def main() -> None:
                                      num_microbatches=args.microbatches, schedule=schedule,
                                      virtual_stages=v, partition=partition)
                     probes.append(machine_probe())
-                    report = verify_plan(plan, settings_of[shape.name])
+                    report, launches = measure(plan, settings_of[shape.name], args)
                     run = Run(shape.name, schedule, partition, report, {names[0]: plan},
-                              statistics.median(probes[-1]))
+                              statistics.median(probes[-1]), launches)
                     for name in names[1:]:
                         try:
                             run.predicted[name] = same_cuts(profiles[name], plan)
@@ -427,7 +436,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
-            f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps; "
+            f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps, "
+            f"{'one launch' if args.one_launch else 'median of two or three launches'}; "
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
             f"({os.cpu_count()} cores); {probe_line(probes)}; {elapsed:.0f} s"
@@ -444,7 +454,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
         text += ["", f"Runs, predicted from the profile taken with {name}:", "",
                  markdown_table(["shape", "schedule", "split", "pred ms", "meas ms", "step err",
                                  "spread", "stage F err", "stage B err", "memory err", "cpu/busy",
-                                 "probe"],
+                                 "probe", "launches ms"],
                                 run_rows(runs, name, quiet))]
         speed = speedup_errors(runs, name)
         text += ["", markdown_table(
@@ -464,6 +474,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
              "loads": loads, "probes": probes, "summary": summary,
              "runs": [{"shape": r.shape, "schedule": r.schedule, "partition": r.partition,
                        "measured_step_ms": r.report.measured_step_ms,
+                       "launches_ms": list(r.launches),
                        "cuts": list(r.predicted[names[0]].pipeline_cuts),
                        "granularity": r.predicted[names[0]].granularity,
                        "measured_memory_bytes": [k.measured_peak_memory_bytes
@@ -472,6 +483,16 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
                        "errors": {n: run_errors(r, n) for n in r.predicted}} for r in runs],
              "loop": loop_rows}, indent=1))
 
+
+
+def measure(plan: Plan, settings: RunSettings, args: argparse.Namespace
+            ) -> tuple[RunReport, tuple[float, ...]]:
+    """``plan``'s run and every launch's step: ``verify_steadily``, or one launch with
+    ``--one-launch``."""
+    if args.one_launch:
+        report = verify_plan(plan, settings)
+        return report, (report.measured_step_ms,)
+    return verify_steadily(plan, settings)
 
 
 def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.Namespace,
@@ -484,7 +505,7 @@ def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.N
     calibrated = calibrate_profile(profile, first.report, plan)
     again = make_plan(calibrated, pp_size=2, num_microbatches=args.microbatches,
                       schedule="1f1b", virtual_stages=1)
-    report = verify_plan(again, settings)
+    report, _ = measure(again, settings, args)
     return [shape.name, f"{100 * first.report.step_error:+.1f}%",
             f"{again.predicted_step_ms:.1f}", f"{report.measured_step_ms:.1f}",
             f"{100 * report.step_error:+.1f}%"]

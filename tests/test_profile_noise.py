@@ -21,6 +21,10 @@ def _t(total: float, spread: float = 0.0) -> TimeFigures:
                        bwd_weight_ms=total / 3, fwd_ms_spread=spread, bwd_ms_spread=spread)
 
 
+def _total(t: TimeFigures) -> float:
+    return t.fwd_ms + t.bwd_ms
+
+
 def _feed(monkeypatch, figures: list[TimeFigures]) -> list[TimeFigures]:
     queue = list(figures)
     monkeypatch.setattr(measure, "measure_times", lambda *a: queue.pop(0))
@@ -43,14 +47,21 @@ def test_clean_second_measurement_ends_the_retries(monkeypatch):
 
 def test_recheck_keeps_the_first_when_a_second_agrees():
     again = iter([_t(11.0)])
-    assert recheck(_t(10.0), lambda: next(again), lambda t: t) == (_t(10.0), False)
+    assert recheck(_t(10.0), lambda: next(again), _total) == (_t(10.0), False)
 
 
 def test_recheck_takes_the_median_of_three_on_disagreement():
     """6.8x off (the issue's case): 68 then 10, 11 -> the median 11 is kept."""
     again = iter([_t(10.0), _t(11.0)])
-    kept, disagreed = recheck(_t(68.0), lambda: next(again), lambda t: t)
+    kept, disagreed = recheck(_t(68.0), lambda: next(again), _total)
     assert disagreed and kept == _t(11.0)
+
+
+def test_recheck_takes_the_spread_it_is_given():
+    """Runs 12% apart agree at the blocks' 20% and disagree at a launch's 10%."""
+    assert recheck(100.0, lambda: 112.0, float) == (100.0, False)
+    again = iter([112.0, 95.0])
+    assert recheck(100.0, lambda: next(again), float, 0.1) == (100.0, True)
 
 
 def test_disturbed_blocks_are_not_reused(monkeypatch):

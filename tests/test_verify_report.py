@@ -422,8 +422,9 @@ def test_calibration_with_the_plan_predicts_the_step_that_ran(profile, schedule,
     post = calibrated.calibration["post"]
     gpipe = schedule == "gpipe"
     field = "gpipe_p2p_ms" if gpipe else "p2p_ms"
-    assert post["field"] == field and post["fitted_to_step_ms"] == pytest.approx(
+    assert post["field"] == field and post["run_step_ms"] == pytest.approx(
         run.measured_step_ms, abs=1e-3)
+    assert again.predicted_step_ms == pytest.approx(post["predicted_step_ms"], rel=1e-3)
     new = calibrated.runtime_overhead
     if getattr(new, field) > 1e-4:
         assert again.predicted_step_ms == pytest.approx(run.measured_step_ms, rel=1e-3)

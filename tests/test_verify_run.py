@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from autopart.errors import AutopartError
 from autopart.profile import profile_model
 from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
-from autopart.verify import RunReport, verify_plan
+from autopart.verify import RunReport, verify_plan, verify_steadily
+from autopart.verify import run as verify_run
 from autopart.verify.attribution import error_drivers
 from autopart.verify.instrument import BlockTimer, block_module_name
 from cli import cmd_verify
@@ -95,6 +98,24 @@ def test_two_rank_run_reports_every_stage(files, capsys, monkeypatch):
 def test_missing_plan_file(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "nope.json"), "--model", "tiny-llama"]) == 2
     assert "does not exist" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize(("steps", "kept"), [((100.0, 109.0), 0), ((100.0, 130.0, 112.0), 2),
+                                            ((130.0, 100.0, 90.0), 1)])
+def test_a_steady_run_keeps_the_median_launch(files, monkeypatch, steps, kept):
+    """Two launches within 10% keep the first; apart, a third decides (the median)."""
+    plan = Plan.load(files["plan"])
+    launched = iter(steps)
+    monkeypatch.setattr(verify_run, "verify_plan",
+                        lambda *a, **k: SimpleNamespace(measured_step_ms=next(launched)))
+    report, launches = verify_steadily(plan, None)
+    assert launches == steps and report.measured_step_ms == steps[kept]
+
+
+def test_a_steady_run_is_refused_under_a_launcher(files, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(AutopartError, match="under torchrun run verify_plan"):
+        verify_steadily(Plan.load(files["plan"]), None)
 
 
 def test_nproc_must_match_plan(files, capsys):

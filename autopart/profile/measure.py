@@ -146,13 +146,6 @@ def measure_times_clean(task: BlockTask, backend: Backend, num_warmup: int,
                                noisy=best.worst_spread > NOISE_SPREAD)
 
 
-def agree(first: TimeFigures, second: TimeFigures) -> bool:
-    """Whether two measurements of one call agree: F + B within ``NOISE_SPREAD``."""
-    a, b = first.fwd_ms + first.bwd_ms, second.fwd_ms + second.bwd_ms
-    low = min(a, b)
-    return low <= 0 or abs(a - b) / low <= NOISE_SPREAD
-
-
 def memory_pass(task: BlockTask, backend: Backend | None = None) -> MemoryFigures:
     """Saved activations, output and transient workspace of one forward + backward.
 

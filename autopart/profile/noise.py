@@ -6,6 +6,8 @@ be reused, the call is measured again; when the two disagree (F + B differ by mo
 than ``NOISE_SPREAD``) it is measured a third time and the median of the three is
 kept, flagged as disagreeing. A measurement whose repeats still spread after
 ``measure_times_clean`` is never reused: each identical block is measured itself.
+The same rule, with a tighter spread, keeps one launch of a whole run where a host's
+slow spells move a run's step from launch to launch (``autopart.verify.run.verify_steadily``).
 """
 
 from __future__ import annotations
@@ -14,33 +16,39 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from autopart.profile.measure import TimeFigures, agree
+from autopart.profile.measure import NOISE_SPREAD
 
 __all__ = []
 
 T = TypeVar("T")
 
 
-def recheck(first: T, measure: Callable[[], T],
-            times: Callable[[T], TimeFigures]) -> tuple[T, bool]:
+def recheck(first: T, measure: Callable[[], T], size: Callable[[T], float],
+            spread: float = NOISE_SPREAD) -> tuple[T, bool]:
     """Measure again; return what to reuse and whether the measurements disagreed.
 
     Args:
         first: The measurement about to be reused.
-        measure: Measures the same call again.
-        times: The times of a measurement.
+        measure: Measures the same thing again.
+        size: What two measurements must agree on (a block call's F + B, a run's step).
+        spread: The most two measurements' sizes may differ by, over the smaller.
 
     Returns:
         ``(first, False)`` when a second measurement agrees with it, else the median
-        (by F + B) of three measurements and ``True``.
+        (by ``size``) of three measurements and ``True``.
     """
     second = measure()
-    if agree(times(first), times(second)):
+    if agree(size(first), size(second), spread):
         return first, False
     third = measure()
-    ranked = sorted((first, second, third),
-                    key=lambda m: times(m).fwd_ms + times(m).bwd_ms)
-    return ranked[1], True
+    return sorted((first, second, third), key=size)[1], True
+
+
+def agree(first: float, second: float, spread: float = NOISE_SPREAD) -> bool:
+    """Whether two measured sizes agree: within ``spread`` of the smaller (a size of 0
+    agrees with anything: nothing was measured)."""
+    low = min(first, second)
+    return low <= 0 or abs(first - second) / low <= spread
 
 
 def load_average() -> float:

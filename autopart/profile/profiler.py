@@ -269,7 +269,8 @@ def _recheck(seen: dict, done: dict, key: str, measure: Callable[[], _CallFigure
     """Measure a call about to be reused again (``noise.recheck``); on disagreement keep
     the median of three for it and for the calls that already took the first."""
     first, output, twin = seen[key]
-    kept, disagreed = recheck(first, measure, lambda c: c.figures.times)
+    kept, disagreed = recheck(first, measure,
+                              lambda c: c.figures.times.fwd_ms + c.figures.times.bwd_ms)
     if not disagreed:
         return
     kept = dataclasses.replace(kept, disagreed=True)

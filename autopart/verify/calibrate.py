@@ -143,8 +143,10 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
 
     Returns:
         The overhead with the fitted prices, and the record ``Profile.calibration`` keeps
-        (``field``, ``before_ms``, ``after_ms``, ``fitted_to_step_ms``, ``other_prices``
-        and, where it moved, ``link_latency_ms`` before and after).
+        (``field``, ``before_ms``, ``after_ms``, the run's step ``run_step_ms``, the step
+        ``plan`` predicts at the fitted prices ``predicted_step_ms`` (above the run's
+        where free posts and latency could not reach it), ``other_prices`` and, where it
+        moved, ``link_latency_ms`` before and after).
     """
     from autopart.simulate import simulate_plan
 
@@ -187,7 +189,8 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
     moved = {key: round(value, 4) for key, value in moved.items()}
     record: dict[str, Any] = {
         "field": field, "before_ms": before, "after_ms": moved[field],
-        "fitted_to_step_ms": round(measured_step_ms, 3), "other_prices": {
+        "run_step_ms": round(measured_step_ms, 3),
+        "predicted_step_ms": round(step(**moved), 3), "other_prices": {
             key: [getattr(overhead, key), value] for key, value in moved.items()
             if key not in (field, "link_latency_ms")}}
     if latency != overhead.link_latency_ms:

@@ -15,8 +15,10 @@ more, and the machine check's difference between the two kinds does not hold on 
 model. A third, the even split under GPipe at ``4 x pp`` microbatches (the planner's
 default count), prices GPipe's posts (``RuntimeOverhead.gpipe_p2p_ms``): GPipe waits its
 forward sends after every forward and its backward sends when the step ends, and its
-posts cost several times 1F1B's. ``autopart profile --pp N`` does it on CPU;
-``--no-rehearsal`` keeps the blocks as measured.
+posts cost several times 1F1B's. Each run is measured as ``verify_steadily`` does (two
+launches, a third where they disagree, the median kept): one launch on a host's slow
+spell would otherwise set every plan's post price. ``autopart profile --pp N`` does it
+on CPU; ``--no-rehearsal`` keeps the blocks as measured.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import dataclasses
 
 from autopart.schema import Profile
 from autopart.verify.calibrate import calibrate_profile, fit_post_price
-from autopart.verify.run import ProgressFn, verify_plan
+from autopart.verify.run import ProgressFn, verify_steadily
 from autopart.verify.worker import RunSettings
 
 __all__ = ["REHEARSAL_STEPS", "Rehearsal", "rehearse"]
@@ -73,11 +75,11 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
                      schedule="1f1b", virtual_stages=1, partition="even")
     settings = RunSettings(model=source, steps=steps, warmup=warmup,
                            threads_per_rank=max(1, profile.setup.num_threads))
-    report = verify_plan(plan, settings, progress=progress)
+    report, launches = verify_steadily(plan, settings, progress=progress)
     what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
             f"local ranks")
     calibrated = calibrate_profile(profile, report, plan, source=f"rehearsal: {what}")
-    record = dict(calibrated.calibration)
+    record = dict(calibrated.calibration, launches_ms=_rounded(launches))
     factors = ", ".join(f"stage {f['stage']} F x{f['fwd']:.2f} B x{f['bwd_input']:.2f}"
                         for f in record["factors"])
     post = record.get("post")
@@ -95,21 +97,34 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
         try:
             kind = make_plan(calibrated, pp_size=pp_size, num_microbatches=m,
                              schedule=schedule, virtual_stages=v, partition="even")
-            run = verify_plan(kind, settings, progress=progress)
+            run, kind_launches = verify_steadily(kind, settings, progress=progress)
         except AutopartError as exc:
             priced.append(f"; {name} not rehearsed ({exc})")
             continue
-        overhead, record[key] = fit_post_price(kind, run.measured_step_ms,
-                                               calibrated.runtime_overhead, others=False)
+        overhead, fitted = fit_post_price(kind, run.measured_step_ms,
+                                          calibrated.runtime_overhead, others=False)
+        record[key] = dict(fitted, launches_ms=_rounded(kind_launches))
         calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
-        priced.append(f"; {name} measured {run.measured_step_ms:.1f} ms: "
-                      f"{record[key]['before_ms']:.3f} -> {record[key]['after_ms']:.3f} ms "
-                      f"per post")
+        priced.append(f"; {name} measured {run.measured_step_ms:.1f} ms"
+                      f"{_of_launches(kind_launches)}: {fitted['before_ms']:.3f} -> "
+                      f"{fitted['after_ms']:.3f} ms per post")
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
-               f"{report.measured_step_ms:.1f} ms; folded in: {factors}{posts}{latency}"
+               f"{report.measured_step_ms:.1f} ms{_of_launches(launches)}; folded in: "
+               f"{factors}{posts}{latency}"
                f"{''.join(priced)}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
                      summary=summary)
+
+
+def _rounded(launches: tuple[float, ...]) -> list[float]:
+    return [round(step, 3) for step in launches]
+
+
+def _of_launches(launches: tuple[float, ...]) -> str:
+    """`` (median of 3 launches: a, b, c ms)`` where a third launch decided, else ``""``."""
+    if len(launches) < 3:
+        return ""
+    return f" (median of 3 launches: {', '.join(f'{s:.1f}' for s in launches)} ms)"
