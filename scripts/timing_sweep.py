@@ -187,7 +187,9 @@ def take_profile(source: str, shape: Shape, method: tuple[str, int, str, bool],
     if check is not None:
         profile = dataclasses.replace(profile, runtime_overhead=check)
     if method[3]:
-        profile = rehearse(profile, source, 2).profile
+        rehearsal = rehearse(profile, source, 2)
+        print(f"  {rehearsal.summary}", flush=True)
+        profile = rehearsal.profile
     return profile
 
 
@@ -328,6 +330,19 @@ def machine_probe(timings: int = 30) -> list[float]:
     return times
 
 
+def launch_line(runs: list[Run]) -> str:
+    """One sentence on the measurement's own reproducibility: how far each run's first two
+    launches of one plan read apart (over the smaller), and how many needed a third. A
+    prediction cannot be checked tighter than this."""
+    pairs = [rel(max(r.launches[:2]), min(r.launches[:2])) for r in runs
+             if len(r.launches) >= 2]
+    if not pairs:
+        return ""
+    third = sum(len(r.launches) >= 3 for r in runs)
+    return (f"two launches of one plan read {distribution(pairs)} apart (median / p90 / "
+            f"worst, over the smaller), a third launch in {third} of {len(runs)} runs")
+
+
 def probe_line(probes: list[list[float]]) -> str:
     """One sentence on the probes: the quiet time (the lowest) and how far the median and
     the 90th percentile of all timings were above it."""
@@ -440,7 +455,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             f"{'one launch' if args.one_launch else 'median of two or three launches'}; "
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
-            f"({os.cpu_count()} cores); {probe_line(probes)}; {elapsed:.0f} s"
+            f"({os.cpu_count()} cores); {probe_line(probes)}"
+            f"{'; ' + launch_line(runs) if launch_line(runs) else ''}; {elapsed:.0f} s"
             f"{'' if final else f'; cut short after {len(runs)} runs'}.",
             "",
             "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "

@@ -59,3 +59,12 @@ def test_probe_line_reads_against_the_quietest_timing():
     assert "median +15%" in line and "p90 +50%" in line and "worst +200%" in line
     assert timing_sweep.probe_line([]) == ""
     assert len(timing_sweep.machine_probe(timings=3)) == 3
+
+
+def test_launch_line_reads_two_launches_of_one_plan_against_each_other():
+    """100 vs 110 and 90 vs 90: 10% and 0% apart (over the smaller); one run had a third."""
+    runs = [timing_sweep.Run("s", "1f1b", "even", None, launches=launches)
+            for launches in ((100.0, 110.0, 104.0), (90.0, 90.0), (50.0,))]
+    line = timing_sweep.launch_line(runs)
+    assert "read 5.0% / 10.0% / 10.0% apart" in line and "third launch in 1 of 3 runs" in line
+    assert timing_sweep.launch_line(runs[2:]) == ""
