@@ -449,6 +449,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     quiet = min((t for p in probes for t in p), default=1.0)
     summary = summary_rows(runs, names, quiet)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
+    launches = launch_line(runs)
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
             f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps, "
@@ -456,7 +457,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
             f"({os.cpu_count()} cores); {probe_line(probes)}"
-            f"{'; ' + launch_line(runs) if launch_line(runs) else ''}; {elapsed:.0f} s"
+            f"{'; ' + launches if launches else ''}; {elapsed:.0f} s"
             f"{'' if final else f'; cut short after {len(runs)} runs'}.",
             "",
             "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "
