@@ -223,6 +223,18 @@ def run_errors(run: Run, method: str) -> dict[str, list[float]]:
     return out
 
 
+def beyond_launches(run: Run, method: str) -> float | None:
+    """How far ``method``'s predicted step lies outside the run's launches (the lowest to
+    the highest launch's step), over the measured step: 0 inside them, ``None`` with one
+    launch. What the prediction misses beyond the measurement's own spread."""
+    if len(run.launches) < 2:
+        return None
+    predicted = run.predicted[method].predicted_step_ms
+    low, high = min(run.launches), max(run.launches)
+    outside = predicted - high if predicted > high else min(predicted - low, 0.0)
+    return outside / run.report.measured_step_ms
+
+
 def speedup_errors(runs: list[Run], method: str) -> list[tuple[str, str, float, float]]:
     """(shape, schedule, measured, predicted) speed-up of the plan over the even split."""
     by_key = {(r.shape, r.schedule, r.partition): r for r in runs}
@@ -267,12 +279,17 @@ def summary_rows(runs: list[Run], methods: list[str],
     for method, label, subset in subsets:
         pooled: dict[str, list[float]] = {"step": [], "F": [], "B": [], "F cpu": [],
                                           "B cpu": [], "memory": []}
+        beyond = []
         for run in subset:
             if method in run.predicted:
                 for key, values in run_errors(run, method).items():
                     pooled[key] += values
+                if (outside := beyond_launches(run, method)) is not None:
+                    beyond.append(outside)
         speed = [rel(p, m) for _, _, m, p in speedup_errors(subset, method)]
+        inside = sum(outside == 0 for outside in beyond)
         rows.append([label, str(len(pooled["step"])), distribution(pooled["step"]),
+                     f"{distribution(beyond)} ({inside} inside)" if beyond else "-",
                      distribution(pooled["F"]), distribution(pooled["B"]),
                      distribution(pooled["F cpu"]), distribution(pooled["B cpu"]),
                      distribution(speed), distribution(pooled["memory"])])
@@ -444,8 +461,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     shape, so a sweep cut short keeps what it measured); print them when ``final``."""
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - start
-    header = ["method", "runs", "step", "stage F", "stage B", "stage F vs CPU time",
-              "stage B vs CPU time", "speed-up", "memory"]
+    header = ["method", "runs", "step", "step beyond launches", "stage F", "stage B",
+              "stage F vs CPU time", "stage B vs CPU time", "speed-up", "memory"]
     quiet = min((t for p in probes for t in p), default=1.0)
     summary = summary_rows(runs, names, quiet)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
@@ -460,7 +477,9 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             f"{'; ' + launches if launches else ''}; {elapsed:.0f} s"
             f"{'' if final else f'; cut short after {len(runs)} runs'}.",
             "",
-            "|error| median / p90 / worst (prediction - measured) / measured; \"vs CPU "
+            "|error| median / p90 / worst (prediction - measured) / measured; \"beyond "
+            "launches\": how far the prediction lies outside the run's launches (lowest to "
+            "highest step), over the measured step, 0 inside them; \"vs CPU "
             "time\": against the stage's thread CPU time, which a rank descheduled by other "
             "load does not accrue; cpu/busy: the lowest rank's CPU time over its compute "
             "spans (1: never descheduled); probe: the machine probe's median just before "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoConfig
@@ -68,3 +69,18 @@ def test_launch_line_reads_two_launches_of_one_plan_against_each_other():
     line = timing_sweep.launch_line(runs)
     assert "read 5.0% / 10.0% / 10.0% apart" in line and "third launch in 1 of 3 runs" in line
     assert timing_sweep.launch_line(runs[2:]) == ""
+
+
+def test_beyond_launches_is_the_prediction_outside_the_runs_launches():
+    """Launches 90..110 ms, the median 100 kept: 95 is inside (0), 121 is 11 ms above the
+    highest (+11%), 80 is 10 ms below the lowest (-10%); one launch has no range."""
+    def run(predicted: float, launches: tuple[float, ...]):
+        report = SimpleNamespace(measured_step_ms=100.0)
+        plan = SimpleNamespace(predicted_step_ms=predicted)
+        return timing_sweep.Run("s", "1f1b", "even", report, {"m": plan}, launches=launches)
+
+    assert timing_sweep.beyond_launches(run(95.0, (110.0, 90.0, 100.0)), "m") == 0.0
+    assert timing_sweep.beyond_launches(run(121.0, (110.0, 90.0, 100.0)), "m") == (
+        pytest.approx(0.11))
+    assert timing_sweep.beyond_launches(run(80.0, (110.0, 90.0)), "m") == pytest.approx(-0.10)
+    assert timing_sweep.beyond_launches(run(95.0, (100.0,)), "m") is None
