@@ -84,3 +84,23 @@ def test_beyond_launches_is_the_prediction_outside_the_runs_launches():
         pytest.approx(0.11))
     assert timing_sweep.beyond_launches(run(80.0, (110.0, 90.0)), "m") == pytest.approx(-0.10)
     assert timing_sweep.beyond_launches(run(95.0, (100.0,)), "m") is None
+
+
+def test_summary_rows_match_the_header_and_count_predictions_inside_their_launches():
+    """Two runs, one predicted inside its launches (0) and one 20% above the highest:
+    the summary's beyond-launches column reads them, one per header column."""
+    def run(predicted: float, launches: tuple[float, ...]):
+        stage = SimpleNamespace(measured_fwd_ms=10.0, measured_bwd_ms=20.0,
+                                measured_fwd_cpu_ms=10.0, measured_bwd_cpu_ms=20.0)
+        rank = SimpleNamespace(predicted_peak_memory_bytes=100,
+                               measured_peak_memory_bytes=100)
+        report = SimpleNamespace(measured_step_ms=100.0, stages=[stage], ranks=[rank])
+        plan = SimpleNamespace(predicted_step_ms=predicted,
+                               stages=[SimpleNamespace(fwd_ms=10.0, bwd_ms=20.0)])
+        return timing_sweep.Run("s", "1f1b", "even", report, {"m": plan}, launches=launches)
+
+    rows = timing_sweep.summary_rows([run(100.0, (95.0, 105.0)), run(130.0, (100.0, 110.0))],
+                                     ["m"])
+    assert len(rows) == 1 and len(rows[0]) == 10  # the header's columns
+    assert rows[0][2] == "15.0% / 30.0% / 30.0%"
+    assert rows[0][3] == "10.0% / 20.0% / 20.0% (1 inside)"
