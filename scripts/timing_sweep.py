@@ -266,6 +266,11 @@ QUIET = 0.15
 quietest timing: the host was not running the sweep's ranks slower than at its best."""
 
 
+SUMMARY_HEADER = ["method", "runs", "step", "step beyond launches", "stage F", "stage B",
+                  "stage F vs CPU time", "stage B vs CPU time", "speed-up", "memory"]
+"""The columns of ``summary_rows``."""
+
+
 def summary_rows(runs: list[Run], methods: list[str],
                  quiet_ms: float | None = None) -> list[list[str]]:
     """One row per method: the distributions of each error over every run; with
@@ -461,8 +466,6 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     shape, so a sweep cut short keeps what it measured); print them when ``final``."""
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - start
-    header = ["method", "runs", "step", "step beyond launches", "stage F", "stage B",
-              "stage F vs CPU time", "stage B vs CPU time", "speed-up", "memory"]
     quiet = min((t for p in probes for t in p), default=1.0)
     summary = summary_rows(runs, names, quiet)
     command = "python scripts/timing_sweep.py " + " ".join(sys.argv[1:])
@@ -485,7 +488,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
             "spans (1: never descheduled); probe: the machine probe's median just before "
             "the run against its quietest timing in the sweep; quiet runs: probe within "
             f"{100 * QUIET:.0f}% of it:", "",
-            markdown_table(header, summary)]
+            markdown_table(SUMMARY_HEADER, summary)]
     for name in names:
         text += ["", f"Runs, predicted from the profile taken with {name}:", "",
                  markdown_table(["shape", "schedule", "split", "pred ms", "meas ms", "step err",

@@ -71,36 +71,33 @@ def test_launch_line_reads_two_launches_of_one_plan_against_each_other():
     assert timing_sweep.launch_line(runs[2:]) == ""
 
 
+def _run(predicted: float, launches: tuple[float, ...]):
+    """A run of method ``m``: one stage (F 10, B 20 ms) and one rank, predicted exactly but
+    for the step (``predicted`` ms against a measured 100 ms)."""
+    stage = SimpleNamespace(measured_fwd_ms=10.0, measured_bwd_ms=20.0,
+                            measured_fwd_cpu_ms=10.0, measured_bwd_cpu_ms=20.0)
+    rank = SimpleNamespace(predicted_peak_memory_bytes=100, measured_peak_memory_bytes=100)
+    report = SimpleNamespace(measured_step_ms=100.0, stages=[stage], ranks=[rank])
+    plan = SimpleNamespace(predicted_step_ms=predicted,
+                           stages=[SimpleNamespace(fwd_ms=10.0, bwd_ms=20.0)])
+    return timing_sweep.Run("s", "1f1b", "even", report, {"m": plan}, launches=launches)
+
+
 def test_beyond_launches_is_the_prediction_outside_the_runs_launches():
     """Launches 90..110 ms, the median 100 kept: 95 is inside (0), 121 is 11 ms above the
     highest (+11%), 80 is 10 ms below the lowest (-10%); one launch has no range."""
-    def run(predicted: float, launches: tuple[float, ...]):
-        report = SimpleNamespace(measured_step_ms=100.0)
-        plan = SimpleNamespace(predicted_step_ms=predicted)
-        return timing_sweep.Run("s", "1f1b", "even", report, {"m": plan}, launches=launches)
-
-    assert timing_sweep.beyond_launches(run(95.0, (110.0, 90.0, 100.0)), "m") == 0.0
-    assert timing_sweep.beyond_launches(run(121.0, (110.0, 90.0, 100.0)), "m") == (
+    assert timing_sweep.beyond_launches(_run(95.0, (110.0, 90.0, 100.0)), "m") == 0.0
+    assert timing_sweep.beyond_launches(_run(121.0, (110.0, 90.0, 100.0)), "m") == (
         pytest.approx(0.11))
-    assert timing_sweep.beyond_launches(run(80.0, (110.0, 90.0)), "m") == pytest.approx(-0.10)
-    assert timing_sweep.beyond_launches(run(95.0, (100.0,)), "m") is None
+    assert timing_sweep.beyond_launches(_run(80.0, (110.0, 90.0)), "m") == pytest.approx(-0.10)
+    assert timing_sweep.beyond_launches(_run(95.0, (100.0,)), "m") is None
 
 
 def test_summary_rows_match_the_header_and_count_predictions_inside_their_launches():
     """Two runs, one predicted inside its launches (0) and one 20% above the highest:
     the summary's beyond-launches column reads them, one per header column."""
-    def run(predicted: float, launches: tuple[float, ...]):
-        stage = SimpleNamespace(measured_fwd_ms=10.0, measured_bwd_ms=20.0,
-                                measured_fwd_cpu_ms=10.0, measured_bwd_cpu_ms=20.0)
-        rank = SimpleNamespace(predicted_peak_memory_bytes=100,
-                               measured_peak_memory_bytes=100)
-        report = SimpleNamespace(measured_step_ms=100.0, stages=[stage], ranks=[rank])
-        plan = SimpleNamespace(predicted_step_ms=predicted,
-                               stages=[SimpleNamespace(fwd_ms=10.0, bwd_ms=20.0)])
-        return timing_sweep.Run("s", "1f1b", "even", report, {"m": plan}, launches=launches)
-
-    rows = timing_sweep.summary_rows([run(100.0, (95.0, 105.0)), run(130.0, (100.0, 110.0))],
+    rows = timing_sweep.summary_rows([_run(100.0, (95.0, 105.0)), _run(130.0, (100.0, 110.0))],
                                      ["m"])
-    assert len(rows) == 1 and len(rows[0]) == 10  # the header's columns
+    assert len(rows) == 1 and len(rows[0]) == len(timing_sweep.SUMMARY_HEADER)
     assert rows[0][2] == "15.0% / 30.0% / 30.0%"
     assert rows[0][3] == "10.0% / 20.0% / 20.0% (1 inside)"

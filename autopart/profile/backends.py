@@ -306,6 +306,9 @@ block's weights and its input touched; (cpu) ``order`` does as ``model`` and the
 the forwards again in the model's order (``autopart.profile.order``)
 (``ProfileOptions.cache_flush``, where ``auto`` picks per backend: ``AUTO_FLUSH``)."""
 AUTO_FLUSH = {"cpu": "order", "cuda": "llc"}
+"""``cache_flush="auto"`` per backend: on CPU ``order``, the method the timing sweep kept
+(docs/timing-sweep.md, "blocks timed again in model order"); on CUDA an L2 flush, as
+Triton's ``do_bench``."""
 CLOCKS = ("wall", "thread")
 """``ProfileOptions.clock``: ``time.perf_counter``, or (cpu, one thread) the thread's CPU
 time; ``auto`` is ``thread`` on cpu with one torch thread, else ``wall`` (``auto_clock``)."""
@@ -317,11 +320,6 @@ def auto_clock(name: str) -> str:
     the stages' CPU time in a pipeline, thread-clock ones 28% / 6.6%, medians of stage F /
     B; docs/timing-sweep.md), else the wall clock."""
     return "thread" if name == "cpu" and torch.get_num_threads() == 1 else "wall"
-"""``cache_flush="auto"`` per backend. On CPU, ``model``: in three sweeps of generated
-models on 2 gloo ranks (docs/timing-sweep.md) it predicted the step better than calls
-back to back (median |error| 8.6-11.9% against 12.2-19.6% on the same runs, stage B
-5.0-10.3% against 9.2-12.6%), where ``llc``, sized to the machine, read blocks 1.7x
-slow; on CUDA, an L2 flush as Triton's ``do_bench``."""
 
 
 def last_level_cache_bytes() -> int:
