@@ -86,9 +86,10 @@ def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatc
 @pytest.mark.timeout(300)
 def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, capsys,
                                                      one_thread):
-    """--pp 2 on CPU runs the even split on 2 local ranks under 1F1B, Interleaved 1F1B
-    and GPipe (each in two or three launches, the median kept) and folds them in:
-    planning any of them again predicts the step that ran."""
+    """--pp 2 on CPU runs the even split on 2 local ranks under 1F1B, Interleaved 1F1B,
+    GPipe and 1F1B again (each in two or three launches, the median kept) and folds them
+    in: planning any of them again predicts the step that ran (1F1B's: both runs'
+    geometric mean)."""
     from autopart.schema import RuntimeOverhead
     from autopart.solve import make_plan
     from autopart.verify import save_cached_overhead
@@ -107,14 +108,18 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     record = profile.calibration
     assert record["source"].startswith("rehearsal: even split, 1F1B, m 4")
     assert "then rehearsed (even split" in profile.setup.time_source
-    assert "rehearsal (even split, 1F1B, m 4" in out and "folded in: stage 0 F x" in out
+    assert "rehearsal (even split, 1F1B, m 4" in out and "geometric mean): stage 0 F x" in out
     assert len(record["factors"]) == 2 and record["post"]["field"] == "p2p_ms"
     assert profile.runtime_overhead.p2p_ms == record["post"]["after_ms"]
-    # each kind's run: two launches, a third where they disagreed, the median kept
-    assert len(record["launches_ms"]) in (2, 3)
+    # each kind's run: two launches, a third where they disagreed, the median kept; the
+    # 1F1B split runs first and last, and the two runs' geometric mean is folded in
+    def kept(launches):
+        assert len(launches) in (2, 3)
+        return sorted(launches)[1] if len(launches) == 3 else launches[0]
+
     assert record["measured_step_ms"] == pytest.approx(
-        sorted(record["launches_ms"])[len(record["launches_ms"]) // 2]
-        if len(record["launches_ms"]) == 3 else record["launches_ms"][0], abs=1e-3)
+        (kept(record["launches_ms"]) * kept(record["again_launches_ms"])) ** 0.5, rel=1e-4)
+    assert "twice" in record["source"] and ", then " in out
     assert record["post"]["run_step_ms"] == pytest.approx(record["measured_step_ms"], abs=1e-3)
     # the record says the step the fitted prices predict: the run's, or above it where a
     # run on a host's slow spell was faster than its stages' medians add up to (free posts)

@@ -456,3 +456,26 @@ def test_the_rank_table_shows_outside(report, capsys):
     print_report(report, Console(width=200))
     out = capsys.readouterr().out
     assert "outside meas" in out and "the rank's step less its actions and p2p waits" in out
+
+
+def test_pooled_report_is_the_geometric_mean_of_runs_of_one_plan(profile, plan, report):
+    """Two runs of one plan: each stage's F and B and the step become their geometric
+    mean (what the rehearsal folds in); runs of two plans are refused."""
+    from autopart.verify.report import pooled_report
+
+    slower = dataclasses.replace(report, measured_step_ms=4 * report.measured_step_ms,
+                                 stages=tuple(dataclasses.replace(
+                                     s, measured_fwd_ms=4 * s.measured_fwd_ms,
+                                     measured_bwd_ms=9 * s.measured_bwd_ms)
+                                     for s in report.stages))
+    pooled = pooled_report((report, slower))
+    assert pooled.measured_step_ms == pytest.approx(2 * report.measured_step_ms)
+    for one, both in zip(report.stages, pooled.stages):
+        assert both.measured_fwd_ms == pytest.approx(2 * one.measured_fwd_ms)
+        assert both.measured_bwd_ms == pytest.approx(3 * one.measured_bwd_ms)
+        assert both.measured_bwd_input_ms is None
+    assert pooled_report((report,)) == report
+    calibrated = calibrate_profile(profile, pooled, plan)
+    assert calibrated.calibration["factors"][0]["fwd"] == pytest.approx(2 * 3.0, rel=1e-6)
+    with pytest.raises(ValueError, match="same plan"):
+        pooled_report((report, dataclasses.replace(report, plan_digest="other")))

@@ -17,8 +17,15 @@ default count), prices GPipe's posts (``RuntimeOverhead.gpipe_p2p_ms``): GPipe w
 forward sends after every forward and its backward sends when the step ends, and its
 posts cost several times 1F1B's. Each run is measured as ``verify_steadily`` does (two
 launches, a third where they disagree, the median kept): one launch on a host's slow
-spell would otherwise set every plan's post price. ``autopart profile --pp N`` does it
-on CPU; ``--no-rehearsal`` keeps the blocks as measured.
+spell would otherwise set every plan's post price. The 1F1B split runs once more last,
+and what is folded in is the two 1F1B runs' geometric mean (``pooled_report``): on a
+shared host a slow spell lasts longer than a run's launches, which read alike, while runs
+minutes apart do not, so one run's stage factors carry its spell into every plan
+(``docs/timing-sweep.md``). The Interleaved and GPipe runs' stages are not pooled: their
+F and B differ from 1F1B's on small models (GPipe's eight microbatches in flight ran the
+tiny Qwen2's blocks 1.3x slower), and their posts are priced with the blocks as pooled.
+``autopart profile --pp N`` does it on CPU; ``--no-rehearsal`` keeps the blocks as
+measured.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import dataclasses
 
 from autopart.schema import Profile
 from autopart.verify.calibrate import calibrate_profile, fit_post_price
+from autopart.verify.report import pooled_report
 from autopart.verify.run import ProgressFn, verify_steadily
 from autopart.verify.worker import RunSettings
 
@@ -75,11 +83,26 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
                      schedule="1f1b", virtual_stages=1, partition="even")
     settings = RunSettings(model=source, steps=steps, warmup=warmup,
                            threads_per_rank=max(1, profile.setup.num_threads))
-    report, launches = verify_steadily(plan, settings, progress=progress)
+    first, launches = verify_steadily(plan, settings, progress=progress)
+    kinds = []  # (record key, name, plan, its run and launches, or the refusal)
+    for key, name, schedule, v, m in (
+            ("runtime_post", "interleaved 1F1B (v 2)", "interleaved-1f1b", 2, 2 * pp_size),
+            ("gpipe_post", f"GPipe (m {4 * pp_size})", "gpipe", 1, 4 * pp_size)):
+        if profile.runtime_overhead is None:  # no machine check: no posts to price
+            break
+        try:
+            kind = make_plan(profile, pp_size=pp_size, num_microbatches=m,
+                             schedule=schedule, virtual_stages=v, partition="even")
+            kinds.append((key, name, kind, *verify_steadily(kind, settings, progress=progress)))
+        except AutopartError as exc:
+            kinds.append((key, name, None, exc, ()))
+    again, again_launches = verify_steadily(plan, settings, progress=progress)
+    report = pooled_report((first, again))
     what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
-            f"local ranks")
+            f"local ranks, twice")
     calibrated = calibrate_profile(profile, report, plan, source=f"rehearsal: {what}")
-    record = dict(calibrated.calibration, launches_ms=_rounded(launches))
+    record = dict(calibrated.calibration, launches_ms=_rounded(launches),
+                  again_launches_ms=_rounded(again_launches))
     factors = ", ".join(f"stage {f['stage']} F x{f['fwd']:.2f} B x{f['bwd_input']:.2f}"
                         for f in record["factors"])
     post = record.get("post")
@@ -89,18 +112,14 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
                f"{post['link_latency_ms'][1]:.3f} ms" if post and "link_latency_ms" in post
                else "")
     priced = []
-    for key, name, schedule, v, m in (
-            ("runtime_post", "interleaved 1F1B (v 2)", "interleaved-1f1b", 2, 2 * pp_size),
-            ("gpipe_post", f"GPipe (m {4 * pp_size})", "gpipe", 1, 4 * pp_size)):
-        if calibrated.runtime_overhead is None:
-            break
-        try:
-            kind = make_plan(calibrated, pp_size=pp_size, num_microbatches=m,
-                             schedule=schedule, virtual_stages=v, partition="even")
-            run, kind_launches = verify_steadily(kind, settings, progress=progress)
-        except AutopartError as exc:
-            priced.append(f"; {name} not rehearsed ({exc})")
+    for key, name, kind, run, kind_launches in kinds:
+        if kind is None:
+            priced.append(f"; {name} not rehearsed ({run})")
             continue
+        # the same even cuts, predicted from the rehearsed blocks
+        kind = make_plan(calibrated, pp_size=pp_size, num_microbatches=kind.num_microbatches,
+                         schedule=kind.schedule, virtual_stages=kind.virtual_stages,
+                         cuts=tuple(kind.pipeline_cuts), granularity=kind.granularity)
         overhead, fitted = fit_post_price(kind, run.measured_step_ms,
                                           calibrated.runtime_overhead, others=False)
         record[key] = dict(fitted, launches_ms=_rounded(kind_launches))
@@ -112,7 +131,9 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
-               f"{report.measured_step_ms:.1f} ms{_of_launches(launches)}; folded in: "
+               f"{first.measured_step_ms:.1f} ms{_of_launches(launches)}, then "
+               f"{again.measured_step_ms:.1f} ms{_of_launches(again_launches)}; folded in "
+               f"(their geometric mean): "
                f"{factors}{posts}{latency}"
                f"{''.join(priced)}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),

@@ -9,13 +9,15 @@ the timed steps) and per rank for memory.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import math
+import statistics
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopart.jsonio import JsonFile
 from autopart.schema import Part, Plan
 
-__all__ = ["RunReport", "report_thread_mismatch"]
+__all__ = ["RunReport", "pooled_report", "report_thread_mismatch"]
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -185,6 +187,40 @@ class RunReport(JsonFile):
     def step_error(self) -> float:
         """(predicted - measured) / measured step time."""
         return relative_error(self.predicted_step_ms, self.measured_step_ms)
+
+
+def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
+    """Several runs of one plan as one report: each stage's measured F, B (and B and W
+    apart, where measured) and the step are the geometric mean over the runs; everything
+    else is the first run's.
+
+    Args:
+        reports: Runs of the same plan (one digest), e.g. launched minutes apart.
+
+    Returns:
+        The first report with the pooled times.
+
+    Raises:
+        ValueError: No report, or reports of different plans.
+    """
+    if not reports or len({r.plan_digest for r in reports}) > 1:
+        raise ValueError("pooled_report takes one or more runs of the same plan")
+    if len(reports) == 1:
+        return reports[0]
+
+    def mean(values: list[float | None]) -> float | None:
+        if any(v is None or v <= 0 for v in values):
+            return values[0]
+        return math.exp(statistics.fmean(math.log(v) for v in values))  # type: ignore[arg-type]
+
+    keys = ("measured_fwd_ms", "measured_bwd_ms", "measured_bwd_input_ms",
+            "measured_bwd_weight_ms")
+    stages = tuple(replace(stage, **{key: mean([getattr(r.stages[i], key)
+                                                            for r in reports])
+                                                 for key in keys})
+                   for i, stage in enumerate(reports[0].stages))
+    return replace(reports[0], stages=stages, measured_step_ms=mean(
+        [r.measured_step_ms for r in reports]))
 
 
 def report_thread_mismatch(report: RunReport) -> str | None:
