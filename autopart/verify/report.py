@@ -9,7 +9,6 @@ the timed steps) and per rank for memory.
 from __future__ import annotations
 
 import hashlib
-import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -211,16 +210,17 @@ def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
     def mean(values: list[float | None]) -> float | None:
         if any(v is None or v <= 0 for v in values):
             return values[0]
-        return math.exp(statistics.fmean(math.log(v) for v in values))  # type: ignore[arg-type]
+        return statistics.geometric_mean(values)  # type: ignore[arg-type]
 
     keys = ("measured_fwd_ms", "measured_bwd_ms", "measured_bwd_input_ms",
             "measured_bwd_weight_ms")
-    stages = tuple(replace(stage, **{key: mean([getattr(r.stages[i], key)
-                                                            for r in reports])
-                                                 for key in keys})
-                   for i, stage in enumerate(reports[0].stages))
-    return replace(reports[0], stages=stages, measured_step_ms=mean(
-        [r.measured_step_ms for r in reports]))
+    stages = []
+    for i, stage in enumerate(reports[0].stages):
+        runs = [r.stages[i] for r in reports]
+        stages.append(replace(stage, **{key: mean([getattr(s, key) for s in runs])
+                                        for key in keys}))
+    return replace(reports[0], stages=tuple(stages),
+                   measured_step_ms=mean([r.measured_step_ms for r in reports]))
 
 
 def report_thread_mismatch(report: RunReport) -> str | None:
