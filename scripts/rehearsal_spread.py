@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing_sweep import SHAPES, same_cuts, write_config  # noqa: E402
+from timing_sweep import SHAPES, write_config  # noqa: E402
 
 from autopart.profile import profile_model  # noqa: E402
-from autopart.solve import make_plan  # noqa: E402
+from autopart.solve import make_plan, plan_again  # noqa: E402
 from autopart.verify import (  # noqa: E402
     RunSettings,
     calibrate_profile,
@@ -89,7 +89,7 @@ def main() -> None:
                 row = {"shape": shape.name, "rep": rep, "first_ms": first.measured_step_ms,
                        "again_ms": again.measured_step_ms,
                        "single_ms": plan.predicted_step_ms,
-                       "pooled_ms": same_cuts(pooled, plan).predicted_step_ms,
+                       "pooled_ms": plan_again(pooled, plan).predicted_step_ms,
                        "measured_ms": run.measured_step_ms, "launches_ms": launches}
                 rows.append(row)
                 print(f"{shape.name:>28} rep {rep}: even split {row['first_ms']:.1f} then "

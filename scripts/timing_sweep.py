@@ -54,7 +54,7 @@ from autopart.errors import PlanError
 from autopart.profile import profile_model
 from autopart.profile.backends import AUTO_FLUSH, CACHE_FLUSHES
 from autopart.schema import Plan, Profile
-from autopart.solve import make_plan
+from autopart.solve import make_plan, plan_again
 from autopart.verify import (
     RunReport,
     RunSettings,
@@ -191,13 +191,6 @@ def take_profile(source: str, shape: Shape, method: tuple[str, int, str, bool],
         print(f"  {rehearsal.summary}", flush=True)
         profile = rehearsal.profile
     return profile
-
-
-def same_cuts(profile: Profile, plan: Plan) -> Plan:
-    """``plan``'s cuts, schedule, v and m predicted from another profile of its model."""
-    return make_plan(profile, pp_size=plan.pp_size, num_microbatches=plan.num_microbatches,
-                     schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                     cuts=tuple(plan.pipeline_cuts), granularity=plan.granularity)
 
 
 def rel(pred: float, meas: float) -> float:
@@ -437,7 +430,7 @@ def main() -> None:
                               statistics.median(probes[-1]), launches)
                     for name in names[1:]:
                         try:
-                            run.predicted[name] = same_cuts(profiles[name], plan)
+                            run.predicted[name] = plan_again(profiles[name], plan)
                         except PlanError as exc:  # e.g. slices of two K: --cuts refuses them
                             print(f"  {name}: cannot predict the same cuts ({exc})", flush=True)
                     runs.append(run)

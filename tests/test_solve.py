@@ -6,6 +6,7 @@ random comparisons against brute force live in ``test_solve_props.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from solve_helpers import GIB, MIB, brute_force, chain_of, llama_like, make_bloc
 
 from autopart.errors import InfeasibleError, PlanError
 from autopart.schema import Plan
-from autopart.solve import ILPLimits, baseline_split, make_plan, solve_dp, solve_ilp
+from autopart.solve import ILPLimits, baseline_split, make_plan, plan_again, solve_dp, solve_ilp
 from autopart.solve.dp import min_fitting_limit
 
 
@@ -253,3 +254,24 @@ def test_the_reported_smallest_limit_plans_with_b_to_w_gradients():
     need = int(str(info.value).split("smallest limit that fits is ")[1].split(" bytes")[0])
     plan = make_plan(profile, memory_limit_bytes=need, **kwargs)
     assert all(r.peak_memory_bytes <= need for r in plan.ranks)
+
+
+def test_plan_again_keeps_the_split_and_setup_and_takes_the_new_costs():
+    """A profile whose head costs four times as much: ``plan_again`` keeps the cuts,
+    schedule, v, m, replicas, optimizer and memory limit, and prices them anew, where
+    planning from scratch would move the cut."""
+    asked = {"pp_size": 2, "num_microbatches": 4, "schedule": "1f1b", "dp_size": 2,
+             "optimizer": "sgd", "memory_limit_bytes": 64 * GIB}
+    plan = make_plan(llama_like(8), **asked)
+    slower = llama_like(8, head_ms=12.0)
+    again = plan_again(slower, plan)
+
+    def kept(p: Plan) -> tuple:
+        return (p.pipeline_cuts, p.schedule, p.virtual_stages, p.num_microbatches, p.dp_size,
+                p.setup.optimizer, p.setup.memory_limit_bytes, p.granularity)
+
+    assert kept(again) == kept(plan)
+    assert again.predicted_step_ms > plan.predicted_step_ms
+    assert make_plan(slower, **asked).pipeline_cuts != plan.pipeline_cuts
+    with pytest.raises(PlanError, match="--devices"):
+        plan_again(slower, dataclasses.replace(plan, tp_size=2))

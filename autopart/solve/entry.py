@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from autopart.errors import PlanError
 from autopart.schema import Plan, Profile
 from autopart.solve.mesh import plan_mesh
 from autopart.solve.options import PlanOptions
 from autopart.solve.search import plan_pipeline
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "plan_again"]
 
 
 def make_plan(profile: Profile, options: PlanOptions | None = None, /, *,
@@ -43,3 +44,40 @@ def make_plan(profile: Profile, options: PlanOptions | None = None, /, *,
     if opts.devices is not None:
         return plan_mesh(profile, opts, progress=progress).plan
     return plan_pipeline(profile, opts, progress)
+
+
+def plan_again(profile: Profile, plan: Plan, **fields: Any) -> Plan:
+    """``plan``'s split predicted from ``profile``, another profile of the same model (one
+    calibrated from a run, one taken by another timing method).
+
+    The new plan keeps ``plan``'s cuts and granularity, schedule, v and m, data-parallel
+    setup, optimizer, precision, memory limit and pipeline link; only the costs change.
+
+    Args:
+        profile: The profile to predict from.
+        plan: The plan whose choices are kept.
+        **fields: ``PlanOptions`` fields to change as well.
+
+    Returns:
+        The plan, simulated on ``profile``'s costs.
+
+    Raises:
+        PlanError: ``plan`` is tensor-parallel (a split is fixed for one pipeline only), or
+            its cuts name no block of ``profile``.
+        InfeasibleError: The split no longer fits ``plan``'s memory limit.
+    """
+    if plan.tp_size > 1:
+        raise PlanError(f"a tp {plan.tp_size} plan's split cannot be planned again: cuts fix "
+                        f"one pipeline's split; plan the mesh again with --devices")
+    setup = plan.setup
+    precision = setup.precision
+    options = {"pp_size": plan.pp_size, "num_microbatches": plan.num_microbatches,
+               "schedule": plan.schedule, "virtual_stages": plan.virtual_stages,
+               "cuts": tuple(plan.pipeline_cuts), "granularity": plan.granularity,
+               "dp_size": plan.dp_size, "zero_stage": plan.zero_stage,
+               "reshard_after_forward": plan.reshard_after_forward,
+               "optimizer": setup.optimizer, "memory_limit_bytes": setup.memory_limit_bytes,
+               "precision": None if precision == "custom" else precision,
+               "link_bandwidth_bytes_per_s": setup.link_bandwidth_bytes_per_s,
+               "link_latency_ms": setup.link_latency_ms}
+    return make_plan(profile, **{**options, **fields})

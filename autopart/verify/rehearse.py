@@ -77,7 +77,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
             blocks, memory) or the run fails.
     """
     from autopart.errors import AutopartError
-    from autopart.solve import make_plan
+    from autopart.solve import make_plan, plan_again
 
     plan = make_plan(profile, pp_size=pp_size, num_microbatches=2 * pp_size,
                      schedule="1f1b", virtual_stages=1, partition="even")
@@ -117,9 +117,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
             priced.append(f"; {name} not rehearsed ({run})")
             continue
         # the same even cuts, predicted from the rehearsed blocks
-        kind = make_plan(calibrated, pp_size=pp_size, num_microbatches=kind.num_microbatches,
-                         schedule=kind.schedule, virtual_stages=kind.virtual_stages,
-                         cuts=tuple(kind.pipeline_cuts), granularity=kind.granularity)
+        kind = plan_again(calibrated, kind)
         overhead, fitted = fit_post_price(kind, run.measured_step_ms,
                                           calibrated.runtime_overhead, others=False)
         record[key] = dict(fitted, launches_ms=_rounded(kind_launches))
