@@ -82,6 +82,7 @@ def test_report_medians_and_prediction(plan, report):
                      + send + f1 + b1 + send + b0)
     assert report.predicted_step_ms == pytest.approx(critical_path)  # 61.02 ms + 5 sends
     assert report.measured_step_ms == pytest.approx((100.0 + 111.0) / 2)
+    assert report.measured_steps_ms == (100.0, 111.0)  # each step's slowest rank
     for stage, scale in zip(report.stages, (2.0, 3.0)):
         planned = plan.stages[stage.index]
         assert stage.modules == planned.modules
@@ -183,6 +184,32 @@ def test_calibrate_command(profile, plan, report, tmp_path, capsys):
                  str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err
+
+
+def test_calibrate_command_pools_runs_of_one_plan(profile, plan, report, tmp_path, capsys):
+    """Two runs of one plan, the second 4x slower: the factors are twice one run's (their
+    geometric mean); a run of another plan among them is one line, exit 2."""
+    slower = dataclasses.replace(report, measured_step_ms=4 * report.measured_step_ms,
+                                 stages=tuple(dataclasses.replace(
+                                     s, measured_fwd_ms=4 * s.measured_fwd_ms,
+                                     measured_bwd_ms=4 * s.measured_bwd_ms)
+                                     for s in report.stages))
+    paths = [tmp_path / f"{name}.json" for name in ("profile", "run", "again", "other", "out")]
+    profile.save(paths[0])
+    report.save(paths[1])
+    slower.save(paths[2])
+    dataclasses.replace(report, plan_digest="another").save(paths[3])
+    assert main(["calibrate", str(paths[0]), str(paths[1]), str(paths[2]),
+                 "--out", str(paths[4])]) == 0
+    capsys.readouterr()
+    one = calibrate_profile(profile, report).calibration["factors"]
+    both = json.loads(paths[4].read_text())["calibration"]["factors"]
+    for a, b in zip(one, both):
+        assert b["fwd"] == pytest.approx(2 * a["fwd"], rel=1e-6)
+    assert main(["calibrate", str(paths[0]), str(paths[1]), str(paths[3]),
+                 "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "another plan" in err and "other.json" in err
 
 
 def test_live_peak_keeps_an_earlier_storage_at_a_gradient_address():
@@ -470,6 +497,7 @@ def test_pooled_report_is_the_geometric_mean_of_runs_of_one_plan(profile, plan, 
                                      for s in report.stages))
     pooled = pooled_report((report, slower))
     assert pooled.measured_step_ms == pytest.approx(2 * report.measured_step_ms)
+    assert pooled.measured_steps_ms == 2 * report.measured_steps_ms  # both runs' steps
     for one, both in zip(report.stages, pooled.stages):
         assert both.measured_fwd_ms == pytest.approx(2 * one.measured_fwd_ms)
         assert both.measured_bwd_ms == pytest.approx(3 * one.measured_bwd_ms)

@@ -58,6 +58,7 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         memory_method=results[0].memory_method,
         predicted_step_ms=sim.step_ms, measured_step_ms=statistics.median(steps),
         measured_step_ms_spread=_spread(steps),
+        measured_steps_ms=tuple(round(t, 4) for t in steps),
         measured_train_step_ms=statistics.median(train),
         stages=_stage_reports(plan, results),
         ranks=tuple(_rank_report(r, sim) for r in results),

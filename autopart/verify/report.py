@@ -180,6 +180,9 @@ class RunReport(JsonFile):
     """Every stage's forward split block by block (pipeline ranks of the first replica and
     tp rank; empty in reports written before it); ``autopart.verify.attribution`` puts
     them beside the profile."""
+    measured_steps_ms: tuple[float, ...] = ()
+    """Every timed step of the slowest rank, in the order they ran (``measured_step_ms`` is
+    their median; empty in reports written before it)."""
     schema_version: int = REPORT_SCHEMA_VERSION
 
     @property
@@ -190,8 +193,8 @@ class RunReport(JsonFile):
 
 def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
     """Several runs of one plan as one report: each stage's measured F, B (and B and W
-    apart, where measured) and the step are the geometric mean over the runs; everything
-    else is the first run's.
+    apart, where measured) and the step are the geometric mean over the runs, the timed
+    steps every run's in turn; everything else is the first run's.
 
     Args:
         reports: Runs of the same plan (one digest), e.g. launched minutes apart.
@@ -220,7 +223,8 @@ def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
         stages.append(replace(stage, **{key: mean([getattr(s, key) for s in runs])
                                         for key in keys}))
     return replace(reports[0], stages=tuple(stages),
-                   measured_step_ms=mean([r.measured_step_ms for r in reports]))
+                   measured_step_ms=mean([r.measured_step_ms for r in reports]),
+                   measured_steps_ms=tuple(t for r in reports for t in r.measured_steps_ms))
 
 
 def report_thread_mismatch(report: RunReport) -> str | None:
