@@ -4,7 +4,9 @@
 by that stage's measured / predicted F, B and W, and prices each send or receive as
 the run measured it (``autopart.verify.calibrate_profile``), and writes the calibrated
 profile; the next ``autopart plan`` on it plans with the
-measured times. ``autopart calibrate --machine [--threads N | --pp N]`` measures the
+measured times. Several runs of one plan (``RUN1.json RUN2.json ...``) are folded in as
+one, each stage's times and the step their geometric mean (``pooled_report``).
+``autopart calibrate --machine [--threads N | --pp N]`` measures the
 pipeline runtime's own cost and the local link once (``autopart.verify.check_machine``)
 and caches it; ``autopart profile`` records it in every profile it takes here.
 """
@@ -20,6 +22,7 @@ from autopart.errors import AutopartError
 from autopart.jsonio import check_writable
 from autopart.schema import Plan, Profile
 from autopart.verify import RunReport, calibrate_profile, check_machine, save_cached_overhead
+from autopart.verify.report import pooled_report
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,8 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "link between two local ranks, and cache it.")
     p.add_argument("profile", metavar="PROFILE", nargs="?",
                    help="profile the plan was made from")
-    p.add_argument("report", metavar="RUN_JSON", nargs="?",
-                   help="run report of `autopart verify --json`")
+    p.add_argument("report", metavar="RUN_JSON", nargs="*",
+                   help="run report of `autopart verify --json`; several runs of the same "
+                        "plan (e.g. minutes apart on a shared machine) are folded in as one, "
+                        "each stage's times their geometric mean")
     p.add_argument("--plan", default=None,
                    help="the plan that was verified (optional: checked against the report)")
     p.add_argument("--out", default=None, metavar="OUT", help="calibrated profile to write")
@@ -55,9 +60,15 @@ def run(args: argparse.Namespace) -> int:
         raise AutopartError("calibrate needs PROFILE RUN_JSON --out OUT, or --machine")
     check_writable(args.out)
     profile = Profile.load(args.profile)
-    report = RunReport.load(args.report)
-    calibrated = calibrate_profile(profile, report, Plan.load(args.plan) if args.plan else None,
-                                   source=args.report)
+    runs = tuple(RunReport.load(path) for path in args.report)
+    for path, run in zip(args.report[1:], runs[1:]):
+        if run.plan_digest != runs[0].plan_digest:
+            raise AutopartError(f"{path} is a run of another plan than {args.report[0]}: "
+                                f"several RUN_JSONs must be runs of one plan; calibrate from "
+                                f"one plan's runs at a time")
+    calibrated = calibrate_profile(profile, pooled_report(runs),
+                                   Plan.load(args.plan) if args.plan else None,
+                                   source=", ".join(args.report))
     calibrated.save(args.out)
     console = Console()
     for f in calibrated.calibration["factors"]:
