@@ -51,7 +51,8 @@ def plan_again(profile: Profile, plan: Plan, **fields: Any) -> Plan:
     calibrated from a run, one taken by another timing method).
 
     The new plan keeps ``plan``'s cuts and granularity, schedule, v and m, data-parallel
-    setup, optimizer, precision, memory limit and pipeline link; only the costs change.
+    setup, optimizer, precision and memory limit; the costs are ``profile``'s, the
+    pipeline link's too (its machine check, or a latency calibration moved).
 
     Args:
         profile: The profile to predict from.
@@ -77,7 +78,5 @@ def plan_again(profile: Profile, plan: Plan, **fields: Any) -> Plan:
                "dp_size": plan.dp_size, "zero_stage": plan.zero_stage,
                "reshard_after_forward": plan.reshard_after_forward,
                "optimizer": setup.optimizer, "memory_limit_bytes": setup.memory_limit_bytes,
-               "precision": None if precision == "custom" else precision,
-               "link_bandwidth_bytes_per_s": setup.link_bandwidth_bytes_per_s,
-               "link_latency_ms": setup.link_latency_ms}
+               "precision": None if precision == "custom" else precision}
     return make_plan(profile, **{**options, **fields})
