@@ -28,7 +28,7 @@ def test_sum_of_blocks_matches_the_whole_model(one_thread):
     """Per-block fwd+bwd summed vs. the whole HF model's fwd+loss+bwd on the same input,
     both on the profile's clock (one thread: the thread's CPU time, so the machine's load
     weighs on neither). Was 1.37x-1.76x with the per-call cache flush (issue 22); 0.84 at
-    load 7.1 without it, on the thread clock (docs/timing-sweep.md)."""
+    load 7.1 without it, on the thread clock (docs/timing-sweep-history.md)."""
     bench = _load("bench_profile_accuracy")
     config = bench.make_config(256, 4, 4096, 128)
     ratios = []
