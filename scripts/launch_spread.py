@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing_sweep import SHAPES, write_config  # noqa: E402
+from timing_sweep import SHAPES, apart, write_config  # noqa: E402
 
 from autopart.profile import profile_model  # noqa: E402
 from autopart.solve import make_plan  # noqa: E402
@@ -47,7 +47,7 @@ STATISTICS: dict[str, Callable[[list[float]], float]] = {
 def spread(values: list[float]) -> str:
     """Highest over lowest - 1 and the coefficient of variation, as one cell."""
     cv = statistics.pstdev(values) / statistics.fmean(values)
-    return f"{100 * (max(values) / min(values) - 1):.0f}% (cv {100 * cv:.0f}%)"
+    return f"{100 * apart(values):.0f}% (cv {100 * cv:.0f}%)"
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing_sweep import SHAPES, write_config  # noqa: E402
+from timing_sweep import SHAPES, apart, write_config  # noqa: E402
 
 from autopart.profile import profile_model  # noqa: E402
 from autopart.solve import make_plan, plan_again  # noqa: E402
@@ -45,11 +45,6 @@ from autopart.verify import (  # noqa: E402
     verify_steadily,
 )
 from autopart.verify.report import pooled_report  # noqa: E402
-
-
-def spread(values: list[float]) -> float:
-    """Highest over lowest, less 1."""
-    return max(values) / min(values) - 1
 
 
 def main() -> None:
@@ -101,12 +96,12 @@ def main() -> None:
           "single / pooled |\n|---|---|---|---|")
     for name in dict.fromkeys(row["shape"] for row in rows):
         mine = [row for row in rows if row["shape"] == name]
-        apart = {key: spread([row[key] for row in mine])
+        spread = {key: apart([row[key] for row in mine])
                  for key in ("single_ms", "pooled_ms", "measured_ms")}
         error = {key: statistics.fmean(abs(row[key] / row["measured_ms"] - 1) for row in mine)
                  for key in ("single_ms", "pooled_ms")}
-        print(f"| {name} | {100 * apart['single_ms']:.0f}% / {100 * apart['pooled_ms']:.0f}% "
-              f"| {100 * apart['measured_ms']:.0f}% | {100 * error['single_ms']:.1f}% / "
+        print(f"| {name} | {100 * spread['single_ms']:.0f}% / {100 * spread['pooled_ms']:.0f}% "
+              f"| {100 * spread['measured_ms']:.0f}% | {100 * error['single_ms']:.1f}% / "
               f"{100 * error['pooled_ms']:.1f}% |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -198,6 +198,11 @@ def rel(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else 0.0
 
 
+def apart(values: list[float]) -> float:
+    """How far measurements of one thing lie apart: highest over lowest, less 1."""
+    return rel(max(values), min(values))
+
+
 def run_errors(run: Run, method: str) -> dict[str, list[float]]:
     """The step, stage F, stage B and memory errors of one run under one method's plan."""
     plan, report = run.predicted[method], run.report
@@ -349,8 +354,7 @@ def launch_line(runs: list[Run]) -> str:
     """One sentence on the measurement's own reproducibility: how far each run's first two
     launches of one plan read apart (over the smaller), and how many needed a third. A
     prediction cannot be checked tighter than this."""
-    pairs = [rel(max(r.launches[:2]), min(r.launches[:2])) for r in runs
-             if len(r.launches) >= 2]
+    pairs = [apart(r.launches[:2]) for r in runs if len(r.launches) >= 2]
     if not pairs:
         return ""
     third = sum(len(r.launches) >= 3 for r in runs)
