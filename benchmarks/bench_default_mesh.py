@@ -3,12 +3,14 @@
 For the Qwen2.5-7B, Mistral-7B and Llama-3.2-1B shapes (analytical H100 profiles at seq
 4096, bf16, written by ``autopart profile NAME --backend analytical:h100 --seq-len 4096
 --dtype bfloat16`` with the default granularity), runs ``autopart plan P --devices N
---global-batch-size 256`` for 8 and 64 devices as a subprocess and prints the chosen
-mesh, its predicted step and peak, the whole process's wall and CPU seconds, and the load
-average it ran under. Target: at most 30 s each (on a quiet machine; CPU seconds are the
-figure to read on a busy one).
+--global-batch-size B`` as a subprocess for 8 and 64 devices at a global batch of 256,
+and 32 devices at 1024 (each replica then runs 128-1024 microbatches: the schedule
+search simulates every candidate at that count), and prints the chosen mesh, its
+predicted step and peak, the whole process's wall and CPU seconds, and the load average
+it ran under. Target: at most 30 s each (on a quiet machine; CPU seconds are the figure
+to read on a busy one).
 
-    python benchmarks/bench_default_mesh.py [--devices 8 64]
+    python benchmarks/bench_default_mesh.py [--runs 8:256 64:256 32:1024]
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def _timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
 def main() -> None:
     """Profile each shape, plan each device count, print one table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--runs", nargs="+", default=["8:256", "64:256", "32:1024"],
+                        metavar="DEVICES:BATCH", help="device counts and global batch sizes")
     args = parser.parse_args()
+    runs = [tuple(int(x) for x in run.split(":")) for run in args.runs]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
@@ -55,14 +59,14 @@ def main() -> None:
             subprocess.run(_autopart("profile", name, "--backend", "analytical:h100",
                                      "--seq-len", "4096", "--dtype", "bfloat16", "--out",
                                      str(path)), check=True, capture_output=True)
-            for devices in args.devices:
-                out = Path(tmp) / f"{name}.{devices}.plan.json"
+            for devices, batch in runs:
+                out = Path(tmp) / f"{name}.{devices}.{batch}.plan.json"
                 load = os.getloadavg()[0]
                 wall, cpu, done = _timed(_autopart("plan", str(path), "--devices", str(devices),
-                                                   "--global-batch-size", "256", "--out",
+                                                   "--global-batch-size", str(batch), "--out",
                                                    str(out)))
                 if done.returncode != 0:
-                    rows.append((name, devices, f"exit {done.returncode}: "
+                    rows.append((name, devices, batch, f"exit {done.returncode}: "
                                  f"{done.stderr.strip()[:80]}", "", "", wall, cpu, load))
                     continue
                 plan = Plan.load(out)
@@ -70,14 +74,14 @@ def main() -> None:
                         f"v{plan.virtual_stages} m{plan.num_microbatches} "
                         f"zero{plan.zero_stage}")
                 peak = max(r.peak_memory_bytes for r in plan.ranks) / 2**30
-                rows.append((name, devices, mesh, f"{plan.predicted_step_ms:.0f}",
+                rows.append((name, devices, batch, mesh, f"{plan.predicted_step_ms:.0f}",
                              f"{peak:.1f}", wall, cpu, load))
-    print(f"{'model':<13} {'dev':>4}  {'mesh':<44} {'step ms':>8} {'peak GiB':>8} "
-          f"{'wall s':>7} {'cpu s':>6} {'load':>5}  target")
-    for name, devices, mesh, step, peak, wall, cpu, load in rows:
+    print(f"{'model':<13} {'dev':>4} {'batch':>5}  {'mesh':<46} {'step ms':>8} "
+          f"{'peak GiB':>8} {'wall s':>7} {'cpu s':>6} {'load':>5}  target")
+    for name, devices, batch, mesh, step, peak, wall, cpu, load in rows:
         verdict = "PASS" if wall <= TARGET_S else "FAIL"
-        print(f"{name:<13} {devices:>4}  {mesh:<44} {step:>8} {peak:>8} {wall:>7.1f} "
-              f"{cpu:>6.1f} {load:>5.2f}  {verdict} (<= {TARGET_S:.0f} s)")
+        print(f"{name:<13} {devices:>4} {batch:>5}  {mesh:<46} {step:>8} {peak:>8} "
+              f"{wall:>7.1f} {cpu:>6.1f} {load:>5.2f}  {verdict} (<= {TARGET_S:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from solve_helpers import llama_like, make_block, make_profile
 
 from autopart.errors import PlanError
-from autopart.solve import make_plan, search
+from autopart.solve import make_plan, refine, search
 from autopart.solve.refine import allowed_cuts, fuse_blocks, legal, neighbours
 from autopart.solve.setting import ConfigJudge
 
@@ -86,28 +86,48 @@ def test_recompute_drops_come_first():
 
 
 
-def _count_simulations(monkeypatch, **plan_args) -> tuple[int, int]:
-    """Simulations the local search spends in one ``make_plan`` (one configuration), and
-    the nodes of that configuration's step DAG."""
-    calls, nodes = [], set()
-    original = ConfigJudge.evaluate
+def _profile48():
+    return make_profile([make_block(f"b{i}", fwd_ms=1.0 + (i % 7) * 0.37, output_bytes=1 << 20)
+                         for i in range(48)])
 
-    def counted(self, bounds, recompute):
-        calls.append(bounds)
-        nodes.add(self.num_nodes)
-        return original(self, bounds, recompute)
 
-    monkeypatch.setattr(ConfigJudge, "evaluate", counted)
-    blocks = [make_block(f"b{i}", fwd_ms=1.0 + (i % 7) * 0.37, output_bytes=1 << 20)
-              for i in range(48)]
-    make_plan(make_profile(blocks), pp_size=6, num_microbatches=12, schedule="1f1b",
-              **plan_args)
-    return len(calls), nodes.pop()
+def _count_simulations(monkeypatch) -> tuple[int, int, int, object]:
+    """In one ``make_plan`` (one configuration): the simulations the local search counts,
+    the nodes of the configuration's step DAG, the splits it simulated in all, the plan."""
+    counted, nodes, simulated = [], set(), []
+    original_refine, original_many = search.refine_counted, ConfigJudge.evaluate_many
+
+    def refine_counted(judge, *args, **kwargs):
+        nodes.add(judge.num_nodes)
+        best, spent = original_refine(judge, *args, **kwargs)
+        counted.append(spent)
+        return best, spent
+
+    def evaluate_many(self, splits):
+        simulated.extend(splits)
+        return original_many(self, splits)
+
+    monkeypatch.setattr(search, "refine_counted", refine_counted)
+    monkeypatch.setattr(ConfigJudge, "evaluate_many", evaluate_many)
+    plan = make_plan(_profile48(), pp_size=6, num_microbatches=12, schedule="1f1b")
+    return sum(counted), nodes.pop(), len(simulated), plan
 
 
 def test_local_search_stops_at_its_node_budget(monkeypatch):
-    """The seeds' climbs together simulate at most ``_REFINE_NODE_BUDGET`` DAG nodes."""
-    unbounded, nodes = _count_simulations(monkeypatch)
+    """The seeds' climbs together count at most ``_REFINE_NODE_BUDGET`` DAG nodes."""
+    unbounded, nodes, _, _ = _count_simulations(monkeypatch)
     assert unbounded > 12  # the four seeds' climbs need more than the budget below
     monkeypatch.setattr(search, "_REFINE_NODE_BUDGET", 12 * nodes)
     assert _count_simulations(monkeypatch)[0] == 12
+
+
+def test_batched_climb_is_the_one_move_at_a_time_climb(monkeypatch):
+    """Moves simulated in batches (``refine._WIDEST_BATCH``) give the climb and the count
+    of simulating them one at a time; only the batches' vain tails are extra work."""
+    batched, _, simulated, plan = _count_simulations(monkeypatch)
+    monkeypatch.setattr(refine, "_WIDEST_BATCH", 1)
+    single, _, simulated_single, alone = _count_simulations(monkeypatch)
+    assert batched == single == simulated_single
+    assert simulated > batched  # the batches did simulate moves past a kept one
+    assert plan.pipeline_cuts == alone.pipeline_cuts
+    assert plan.predicted_step_ms == alone.predicted_step_ms

@@ -139,8 +139,9 @@ def simulate_batch(batch: Sequence[Sequence[StageCost]], *, schedule: str, pp_si
         table = np.stack([duration_table(costs, split, setup, charges) for costs in batch],
                          axis=1)
         busy, step = levels.run(table)
+        peaks = _peak_memory(batch, schedule, pp_size, virtual_stages, num_microbatches)
         return [_result(costs, schedule, pp_size, virtual_stages, num_microbatches,
-                        busy[:, k].tolist(), float(step[k]), None)
+                        busy[:, k].tolist(), float(step[k]), None, peaks[k])
                 for k, costs in enumerate(batch)]
 
 
@@ -205,8 +206,10 @@ def _check_costs(stage_costs: Sequence[StageCost], pp_size: int, virtual_stages:
 
 def _result(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
             virtual_stages: int, num_microbatches: int, busy: Sequence[float],
-            step_ms: float, events: list[tuple] | None) -> SimResult:
-    """The ``SimResult`` of a run: idle, bubble and memory follow from busy and step."""
+            step_ms: float, events: list[tuple] | None,
+            peaks: tuple[int, ...] | None = None) -> SimResult:
+    """The ``SimResult`` of a run: idle and bubble follow from busy and step, memory from
+    the order (``peaks``: the rank peaks when computed already, ``_peak_memory``)."""
     idle = tuple(step_ms - b for b in busy)
     bubble = sum(idle) / (pp_size * step_ms) if step_ms > 0 else 0.0
     return SimResult(
@@ -214,8 +217,8 @@ def _result(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
         rank_busy_ms=tuple(busy),
         rank_idle_ms=idle,
         bubble_fraction=bubble,
-        rank_peak_memory_bytes=_peak_memory(stage_costs, schedule, pp_size, virtual_stages,
-                                            num_microbatches),
+        rank_peak_memory_bytes=peaks if peaks is not None else _peak_memory(
+            [stage_costs], schedule, pp_size, virtual_stages, num_microbatches)[0],
         stage_max_in_flight=tuple(max_in_flight(schedule, pp_size, virtual_stages,
                                                  num_microbatches)),
         events=tuple(SimEvent(*e) for e in events) if events else (),
@@ -352,20 +355,31 @@ def _sent_bytes(stage_costs: Sequence[StageCost], stages: Sequence[int], schedul
     return grads, outputs
 
 
-def _peak_memory(stage_costs: Sequence[StageCost], schedule: str, pp_size: int,
-                 virtual_stages: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per rank: static + receive buffers + the most held at once, workspace included."""
-    peaks = []
-    for stages, counts, running, pays in held_counts(schedule, pp_size, virtual_stages,
-                                                     num_microbatches):
-        act = np.array([stage_costs[s].activation_bytes for s in stages], dtype=np.int64)
-        act = np.concatenate([act, act + [stage_costs[s].held_for_weight_bytes for s in stages],
-                              *_sent_bytes(stage_costs, stages, schedule, pp_size,
-                                           virtual_stages)])
-        work = np.array([stage_costs[s].transient_bytes for s in stages], dtype=np.int64)
-        adopted = np.array([stage_costs[s].adopted_grad_bytes for s in stages], dtype=np.int64)
-        peak = int((counts @ act + work[running] - np.where(pays, 0, adopted[running])).max())
-        base = rank_static_bytes(stage_costs, stages) + sum(
-            recv_buffer_bytes(stage_costs[s], num_microbatches) for s in stages)
-        peaks.append(base + peak)
-    return tuple(peaks)
+def _peak_memory(batch: Sequence[Sequence[StageCost]], schedule: str, pp_size: int,
+                 virtual_stages: int, num_microbatches: int) -> list[tuple[int, ...]]:
+    """Per split of ``batch``, per rank: static + receive buffers + the most held at once,
+    workspace included (all splits at once: one column each)."""
+    peaks = np.zeros((len(batch), pp_size), dtype=np.int64)
+    for rank, (stages, counts, running, pays) in enumerate(held_counts(
+            schedule, pp_size, virtual_stages, num_microbatches)):
+        act = _columns(batch, stages, "activation_bytes")
+        sent = [_sent_bytes(costs, stages, schedule, pp_size, virtual_stages)
+                for costs in batch]
+        act = np.concatenate([act, act + _columns(batch, stages, "held_for_weight_bytes"),
+                              np.array([grads for grads, _ in sent], dtype=np.int64).T,
+                              np.array([outputs for _, outputs in sent], dtype=np.int64).T])
+        work = _columns(batch, stages, "transient_bytes")
+        adopted = _columns(batch, stages, "adopted_grad_bytes")
+        held = counts @ act + work[running] - np.where(pays[:, None], 0, adopted[running])
+        peaks[:, rank] = held.max(axis=0) + np.array(
+            [rank_static_bytes(costs, stages)
+             + sum(recv_buffer_bytes(costs[s], num_microbatches) for s in stages)
+             for costs in batch], dtype=np.int64)
+    return [tuple(int(x) for x in row) for row in peaks]
+
+
+def _columns(batch: Sequence[Sequence[StageCost]], stages: Sequence[int], field: str
+             ) -> np.ndarray:
+    """``(len(stages), len(batch))``: the ``StageCost`` field of each stage of each split."""
+    return np.array([[getattr(costs[s], field) for costs in batch] for s in stages],
+                    dtype=np.int64)

@@ -6,8 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopart.cost.blocks import BlockArrays
-from autopart.cost.stage import StageCost, stage_cost
+from autopart.cost.stage import StageCost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import (
     BaselineResult,
@@ -19,7 +18,7 @@ from autopart.schema import (
     StagePlan,
     TrainingSetup,
 )
-from autopart.simulate import simulate
+from autopart.simulate.engine import simulate_batch
 from autopart.simulate.replay import with_step_overhead
 from autopart.solve.cuts import shortest_names
 from autopart.solve.records import Config, Evaluated
@@ -27,24 +26,27 @@ from autopart.solve.records import Config, Evaluated
 __all__ = []
 
 
-def evaluate_split(arrays: BlockArrays, setup: TrainingSetup, config: Config,
-                   bounds: Sequence[tuple[int, int]], recompute: Sequence[bool] | None = None,
-                   stage_costs: Sequence[StageCost] | None = None) -> Evaluated:
-    """Simulate the split ``bounds`` (half-open block ranges) under ``config`` (a
-    ``records.Config``: schedule, pp, v, m); ``stage_costs``, when given, are its stages'
-    ``stage_cost`` (from a cache)."""
+def evaluate_splits(setup: TrainingSetup, config: Config,
+                    splits: Sequence[tuple[tuple, tuple[bool, ...], Sequence[StageCost]]]
+                    ) -> list[Evaluated]:
+    """Simulate splits of one configuration (a ``records.Config``: schedule, pp, v, m),
+    each given as ``(bounds, recompute, stage_costs)``: half-open block ranges, a flag
+    and a ``stage_cost`` per stage. One vectorized simulation for all of them
+    (``simulate_batch``), with the figures of simulating each alone."""
     schedule, pp_size = config.schedule, config.pp_size
     virtual_stages, num_microbatches = config.virtual_stages, config.num_microbatches
-    flags = tuple(recompute) if recompute is not None else (False,) * len(bounds)
-    costs = tuple(stage_cost(arrays, i, j - 1, r) for (i, j), r in zip(bounds, flags)
-                  ) if stage_costs is None else tuple(stage_costs)
-    result = simulate(costs, schedule=schedule, pp_size=pp_size, virtual_stages=virtual_stages,
-                      num_microbatches=num_microbatches, setup=setup, record_events=False)
-    result = with_step_overhead(result, setup, costs, schedule, virtual_stages)
+    results = simulate_batch([costs for _, _, costs in splits], schedule=schedule,
+                             pp_size=pp_size, virtual_stages=virtual_stages,
+                             num_microbatches=num_microbatches, setup=setup)
     limit = setup.memory_limit_bytes
-    fits = limit is None or max(result.rank_peak_memory_bytes) <= limit
-    return Evaluated(schedule, pp_size, virtual_stages, num_microbatches, tuple(bounds), flags,
-                     costs, result, fits)
+    out = []
+    for (bounds, flags, costs), result in zip(splits, results, strict=True):
+        costs = tuple(costs)
+        result = with_step_overhead(result, setup, costs, schedule, virtual_stages)
+        fits = limit is None or max(result.rank_peak_memory_bytes) <= limit
+        out.append(Evaluated(schedule, pp_size, virtual_stages, num_microbatches,
+                             tuple(bounds), tuple(flags), costs, result, fits))
+    return out
 
 
 def plan_from_split(profile: Profile, setup: TrainingSetup, best: Evaluated, *,

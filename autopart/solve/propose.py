@@ -73,7 +73,7 @@ def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candi
     limit = setting.setup.memory_limit_bytes
     per_stage = None if limit is None else limit / config.virtual_stages
     v = config.virtual_stages
-    out = []
+    found = []
     levels = [(setting.chain, setting.starts, "model_optimal"),
               *((chain, starts, "layer_optimal") for chain, starts in setting.coarser)]
     for chain, starts, status in levels:
@@ -87,11 +87,11 @@ def propose_dp(setting: Setting, config: Config, options: Options) -> list[Candi
                       split=schedule_info(config.schedule).split_backward)
         if dp is None:
             continue
-        bounds = tuple((starts[i], starts[j]) for i, j in dp.bounds)
-        ev = setting.evaluate(config, bounds, dp.recompute)
-        out.append(Candidate(ev, SolverInfo(name="dp", status=status, gap=0.0,
-                                            objective_ms=dp.objective_ms)))
-    return out
+        found.append(((tuple((starts[i], starts[j]) for i, j in dp.bounds), dp.recompute),
+                      SolverInfo(name="dp", status=status, gap=0.0,
+                                 objective_ms=dp.objective_ms)))
+    evaluated = setting.evaluate_many(config, [split for split, _ in found])
+    return [Candidate(ev, info) for ev, (_, info) in zip(evaluated, found, strict=True)]
 
 
 def propose_ilp(setting: Setting, config: Config, options: Options,
@@ -129,5 +129,7 @@ def propose_ilp(setting: Setting, config: Config, options: Options,
 
 def propose_baselines(setting: Setting, config: Config) -> list[Candidate]:
     """Every public baseline split, at allowed cuts, as seeds."""
-    return [Candidate(setting.evaluate(config, setting.baseline(name, config.num_stages)),
-                      SolverInfo(name=name, status="baseline")) for name in BASELINES]
+    evaluated = setting.evaluate_many(config, [(setting.baseline(name, config.num_stages), None)
+                                               for name in BASELINES])
+    return [Candidate(ev, SolverInfo(name=name, status="baseline"))
+            for name, ev in zip(BASELINES, evaluated, strict=True)]

@@ -252,8 +252,9 @@ def _rank_key(item: Evaluated) -> tuple:
 def _baselines(setting: Setting, best: Evaluated) -> dict[str, Evaluated]:
     """Every public baseline under the winner's schedule, v and m, at allowed cuts."""
     config = Config.of(best)
-    return {name: setting.evaluate(config, setting.baseline(name, config.num_stages))
-            for name in BASELINES}
+    evaluated = setting.evaluate_many(config, [(setting.baseline(name, config.num_stages), None)
+                                               for name in BASELINES])
+    return dict(zip(BASELINES, evaluated, strict=True))
 
 
 def _baseline_json(best: Evaluated, baselines: dict[str, Evaluated]) -> dict[str, dict]:
