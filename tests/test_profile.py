@@ -407,3 +407,23 @@ def test_what_the_model_code_saves_after_a_block_is_held_with_it(tmp_path, monke
         assert head.activation_bytes >= 2 * logits
     else:
         assert head.activation_bytes < 2 * logits
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_config_asking_for_the_router_loss_profiles(tmp_path, monkeypatch, model_type):
+    """``output_router_logits=True`` (a config set up to train with the MoE router's loss):
+    the glue is timed with the block calls answered by recorded outputs, which record no
+    router logits; HF's loss then failed on the empty tuple. The profile is made with the
+    model's own router loss off, as a stage runs (``autopart.runtime.aux_loss`` adds it),
+    and the config is left as it was."""
+    from families import tiny_config
+
+    hold_steady(monkeypatch)
+    config = tiny_config(model_type, output_router_logits=True, router_aux_loss_coef=0.01)
+    config.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path / "config.json"))
+    profile = profile_model(loaded, granularity="layer", neighbours=0, **FAST)
+    assert loaded.model.config.output_router_logits
+    assert [b.kind for b in profile.blocks].count("decoder_layer") == config.num_hidden_layers
+    assert any("router auxiliary loss" in note for note in profile.model.notes)
