@@ -424,6 +424,6 @@ def test_a_config_asking_for_the_router_loss_profiles(tmp_path, monkeypatch, mod
     config.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path / "config.json"))
     profile = profile_model(loaded, granularity="layer", neighbours=0, **FAST)
-    assert loaded.model.config.output_router_logits
+    assert loaded.model.config.output_router_logits and profile.model.router_loss_pass
     assert [b.kind for b in profile.blocks].count("decoder_layer") == config.num_hidden_layers
     assert any("router auxiliary loss" in note for note in profile.model.notes)

@@ -346,3 +346,28 @@ def test_simulate_plan_replays_a_hand_written_plan():
     assert result.step_ms == pytest.approx(15.0)
     assert result.rank_busy_ms == pytest.approx([12.0, 12.0])
     assert not simulate_plan(plan, record_events=False).events
+
+
+def test_counting_pass_of_the_router_loss():
+    """``counting_pass_ms``: 1F1B runs its order forward-only (pp 2, m 3, F 1 ms, sends
+    1 ms, no backward: rank 0 runs F0 0-1, F1 1-2, waits for F1's send until 3 (1F1B
+    batches it with the next receive), F2 3-4, sends it 4-5; rank 1's F2 runs 5-6); a
+    split-backward schedule pays a whole step; ``with_step_overhead`` adds it only when
+    the setup asks for it."""
+    import dataclasses
+
+    from autopart.simulate import with_step_overhead
+    from autopart.simulate.engine import counting_pass_ms
+
+    costs = [stage(fwd=1.0, bwd_input=2.0, bwd_weight=2.0, output_bytes=1_000_000),
+             stage(fwd=1.0, bwd_input=2.0, bwd_weight=2.0, output_bytes=1_000_000)]
+    setup = dataclasses.replace(NO_LATENCY, pp_size=2, num_microbatches=3)
+    kw = {"pp_size": 2, "virtual_stages": 1, "num_microbatches": 3}
+    assert counting_pass_ms(costs, schedule="1f1b", setup=setup, step_ms=99.0, **kw) == 6.0
+    assert counting_pass_ms(costs, schedule="zbv", setup=setup, step_ms=99.0, pp_size=2,
+                            virtual_stages=2, num_microbatches=3) == 99.0
+    result = simulate(costs, schedule="1f1b", setup=setup, record_events=False, **kw)
+    asked = dataclasses.replace(setup, router_loss_pass=True)
+    assert with_step_overhead(result, setup, costs, "1f1b", 1, 3).step_ms == result.step_ms
+    assert with_step_overhead(result, asked, costs, "1f1b", 1, 3).step_ms == \
+        result.step_ms + 6.0

@@ -131,3 +131,27 @@ def test_batched_climb_is_the_one_move_at_a_time_climb(monkeypatch):
     assert simulated > batched  # the batches did simulate moves past a kept one
     assert plan.pipeline_cuts == alone.pipeline_cuts
     assert plan.predicted_step_ms == alone.predicted_step_ms
+
+
+def test_the_router_loss_pass_is_priced_and_steers_the_schedule():
+    """A profile whose config asks for the MoE router loss: every plan's step holds the
+    counting pass, a whole extra step under a split-backward schedule (ZBV exactly twice
+    its step without), so between 1F1B and ZBV the search leaves the one that pays double."""
+    import dataclasses
+
+    plain = make_profile([make_block(f"b{i}", fwd_ms=1.0 + (i % 3) * 0.5,
+                                     output_bytes=1 << 20) for i in range(12)])
+    asked = dataclasses.replace(plain, model=dataclasses.replace(plain.model,
+                                                                 router_loss_pass=True))
+    kw = {"pp_size": 2, "num_microbatches": 4}
+    zbv = make_plan(plain, schedule="zbv", **kw)
+    assert make_plan(asked, schedule="zbv", cuts=list(zbv.pipeline_cuts),
+                     **kw).predicted_step_ms == pytest.approx(2 * zbv.predicted_step_ms,
+                                                              rel=1e-12)
+    one = make_plan(plain, schedule="1f1b", **kw)
+    priced = make_plan(asked, schedule="1f1b", cuts=list(one.pipeline_cuts), **kw)
+    assert one.predicted_step_ms < priced.predicted_step_ms < 2 * one.predicted_step_ms
+    assert priced.setup.router_loss_pass
+    assert any("router loss" in note for note in priced.notes)
+    assert make_plan(plain, schedule=("1f1b", "zbv"), **kw).schedule == "zbv"
+    assert make_plan(asked, schedule=("1f1b", "zbv"), **kw).schedule == "1f1b"

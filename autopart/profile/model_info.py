@@ -7,6 +7,7 @@ from torch import nn
 from autopart.intake import BlockChain, LoadedModel
 from autopart.intake.head_split import head_split_refusal
 from autopart.profile.slice_checks import SliceChecks
+from autopart.runtime.aux_loss import router_loss_spec
 from autopart.schema import BlockProfile, ModelInfo
 
 __all__ = []
@@ -38,11 +39,11 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
         notes.append(f"MoE routing over {len(loads)} layers: the busiest expert got "
                      f"{max(x[0] for x in loads):.2f}x the mean tokens, the idlest "
                      f"{min(x[1] for x in loads):.2f}x (random weights; a trained router differs)")
-    coef = getattr(config, "router_aux_loss_coef", None)
-    if loads and coef and getattr(config, "output_router_logits", False):
-        notes.append(f"router auxiliary loss (router_aux_loss_coef={coef}): the stages add "
-                     f"their layers' shares exactly, after a forward-only pass per step that "
-                     f"counts the whole batch's routing (not in the block times)")
+    if router_loss_spec(model) is not None:
+        notes.append(f"router auxiliary loss (router_aux_loss_coef={config.router_aux_loss_coef}"
+                     f"): the stages add their layers' shares exactly, after a forward-only "
+                     f"pass per step that counts the whole batch's routing (a whole step under "
+                     f"split-backward schedules); plans price that pass on top of the blocks")
     return notes
 
 
@@ -67,6 +68,7 @@ def model_info(loaded: LoadedModel, chain: BlockChain, blocks: list[BlockProfile
         num_layers=num_layers, layer_classes=chain.layer_class_names,
         shared_modules=chain.shared_modules,
         head_split_rows=_head_split_rows(loaded.model, chain),
+        router_loss_pass=hf and router_loss_spec(loaded.model) is not None,
         slice_units=slices.units() if slices is not None else {},
         slice_modules=slices.modules() if slices is not None else {},
         notes=tuple(model_notes(loaded.model, chain, blocks)

@@ -40,8 +40,20 @@ __all__ = ["RouterAuxLoss", "router_aux_loss"]
 def router_aux_loss(root: nn.Module, stage_modules: list[nn.Module],
                     pp_group: Any) -> RouterAuxLoss | None:
     """The ``RouterAuxLoss`` for an HF model whose config asks for the router's loss
-    (``output_router_logits`` and ``router_aux_loss_coef > 0``) and that records its router
-    logits from a router class (``_can_record_outputs``); ``None`` otherwise."""
+    (``router_loss_spec``); ``None`` otherwise."""
+    spec = router_loss_spec(root)
+    if spec is None:
+        return None
+    target, index, num_experts, top_k, coef = spec
+    return RouterAuxLoss(stage_modules, target, index, num_experts, top_k, coef, pp_group)
+
+
+def router_loss_spec(root: nn.Module) -> tuple[type, int, int, int, float] | None:
+    """``(router class, index of its logits output, experts, top-k, coef)`` when ``root``'s
+    HF config asks for the router's loss (``output_router_logits`` and
+    ``router_aux_loss_coef > 0``) and the model records its router logits from a router
+    class (``_can_record_outputs``): then the runtime adds the loss, with its counting pass
+    each step; ``None`` otherwise."""
     config = getattr(root, "config", None)
     coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     if config is None or not getattr(config, "output_router_logits", False) or coef <= 0:
@@ -58,8 +70,7 @@ def router_aux_loss(root: nn.Module, stage_modules: list[nn.Module],
     top_k = getattr(config, "num_experts_per_tok", None)
     if target is None or not num_experts or not top_k:
         return None
-    return RouterAuxLoss(stage_modules, target, getattr(recorder, "index", 0) or 0,
-                         int(num_experts), int(top_k), float(coef), pp_group)
+    return target, getattr(recorder, "index", 0) or 0, int(num_experts), int(top_k), float(coef)
 
 
 def _shape_inference() -> bool:

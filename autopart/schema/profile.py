@@ -153,6 +153,11 @@ class ModelInfo:
     """Rows of the head's weight when the head can be split by vocabulary (an HF causal
     LM whose ``nn.Linear`` head's output is returned unchanged), else 0; planning at
     ``auto`` granularity splits it into shard blocks (``autopart.intake.head_split``)."""
+    router_loss_pass: bool = False
+    """The HF config asks for the MoE router's load-balancing loss, which the runtime adds
+    (``autopart.runtime.aux_loss.router_loss_spec``): each step first runs a forward-only
+    pass of the schedule (a whole step under split-backward schedules) to count the
+    routing. Plans add that pass to the step (``TrainingSetup.router_loss_pass``)."""
     slice_units: dict[str, int] = field(default_factory=dict)
     """Per half kind (``attention``, ``mlp``), the units its halves' modules sum over (KV
     heads, MLP columns) when every half of that kind can be cut inside its call, checked

@@ -9,20 +9,23 @@ from autopart.cost.rank import shared_grad_sync_ms, stage_costs_of_plan, step_ov
 from autopart.cost.stage import StageCost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import Plan, TrainingSetup
-from autopart.simulate.engine import SimResult, simulate
+from autopart.simulate.engine import SimResult, counting_pass_ms, simulate
 
 __all__ = ["simulate_plan", "with_step_overhead"]
 
 
 def with_step_overhead(result: SimResult, setup: TrainingSetup,
                        costs: Sequence[StageCost] = (), schedule: str = "",
-                       virtual_stages: int = 1) -> SimResult:
+                       virtual_stages: int = 1, num_microbatches: int | None = None
+                       ) -> SimResult:
     """``result`` with the runtime's per-step work outside the schedule added.
 
     That is its fixed work (``rank_cost.step_overhead_ms``) and, given the stages' ``costs``
     and ``schedule``, the sum of a weight held on several ranks (tied embedding/head,
     split head) over its holders (``rank_cost.shared_grad_sync_ms``). Every rank waits for
     it, so step and idle times grow by it; busy times and the events stay the schedule's.
+    With ``setup.router_loss_pass`` the MoE router loss's counting pass is added too
+    (``engine.counting_pass_ms``; it needs ``costs``).
 
     Args:
         result: A simulated step.
@@ -30,6 +33,7 @@ def with_step_overhead(result: SimResult, setup: TrainingSetup,
         costs: The stages' costs (none: no shared-weight sum is counted).
         schedule: The schedule's name (it places the stages on ranks).
         virtual_stages: Stages per rank.
+        num_microbatches: The step's microbatches (default ``setup.num_microbatches``).
 
     Returns:
         The step with the overhead added (``result`` itself when there is none).
@@ -40,6 +44,11 @@ def with_step_overhead(result: SimResult, setup: TrainingSetup,
         pp_size = len(costs) // virtual_stages
         ranks = [stage_to_rank(s, pp_size, virtual_stages, style) for s in range(len(costs))]
         extra += shared_grad_sync_ms(costs, ranks, setup)
+        if setup.router_loss_pass:
+            extra += counting_pass_ms(costs, schedule=schedule, pp_size=pp_size,
+                                      virtual_stages=virtual_stages,
+                                      num_microbatches=num_microbatches or setup.num_microbatches,
+                                      setup=setup, step_ms=result.step_ms)
     if extra <= 0:
         return result
     step = result.step_ms + extra
@@ -76,4 +85,5 @@ def simulate_plan(plan: Plan, *, record_events: bool = True,
                       virtual_stages=plan.virtual_stages,
                       num_microbatches=plan.num_microbatches, setup=plan.setup,
                       record_events=record_events)
-    return with_step_overhead(result, plan.setup, costs, plan.schedule, plan.virtual_stages)
+    return with_step_overhead(result, plan.setup, costs, plan.schedule, plan.virtual_stages,
+                              plan.num_microbatches)

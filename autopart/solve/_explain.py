@@ -73,6 +73,12 @@ def notes(profile: Profile, best: Evaluated, baselines: dict[str, Evaluated],
     if recomputed:
         out.append(f"stages {recomputed} recompute their forward (activation checkpointing): "
                    "without it they do not fit the memory limit")
+    if profile.model.router_loss_pass:
+        whole = schedule_info(best.schedule).split_backward
+        out.append("the MoE router loss the config asks for counts each step's routing in a "
+                   + ("whole extra step first (a split-backward schedule cannot run "
+                      "forward-only): in the predicted step" if whole else
+                      "forward-only pass first: in the predicted step"))
     return out
 
 

@@ -42,7 +42,8 @@ def evaluate_splits(setup: TrainingSetup, config: Config,
     out = []
     for (bounds, flags, costs), result in zip(splits, results, strict=True):
         costs = tuple(costs)
-        result = with_step_overhead(result, setup, costs, schedule, virtual_stages)
+        result = with_step_overhead(result, setup, costs, schedule, virtual_stages,
+                                    num_microbatches)
         fits = limit is None or max(result.rank_peak_memory_bytes) <= limit
         out.append(Evaluated(schedule, pp_size, virtual_stages, num_microbatches,
                              tuple(bounds), tuple(flags), costs, result, fits))

@@ -198,6 +198,8 @@ def build_settings(profile: Profile, pp_size: int, num_microbatches: int | None,
     except SchemaError as exc:
         raise PlanError(f"bad training setup: {exc}") from None
     setup_fields = _with_machine_check(profile, setup_fields)
+    if profile.model.router_loss_pass:
+        setup_fields = {"router_loss_pass": True, **setup_fields}
     out = {}
     for m, samples in counts.items():
         try:
