@@ -211,7 +211,9 @@ def _rank_error(tmp: Path, exc: Exception) -> AutopartError:
     errors = sorted(tmp.glob("error_rank*.txt"))
     if errors:
         return RuntimeSetupError(errors[0].read_text().strip())
-    crashes = sorted(tmp.glob("crash_rank*.txt"))
+    # A rank that lost its peer crashed because another did: show the other one first.
+    crashes = sorted(tmp.glob("crash_rank*.txt"),
+                     key=lambda path: ("closed by peer" in path.read_text(), path.name))
     if crashes:
         last = crashes[0].read_text().strip().splitlines()[-1]
         logger.error("%s", crashes[0].read_text())
