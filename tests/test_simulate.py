@@ -357,7 +357,7 @@ def test_counting_pass_of_the_router_loss():
     import dataclasses
 
     from autopart.simulate import with_step_overhead
-    from autopart.simulate.engine import counting_pass_ms
+    from autopart.simulate.replay import counting_pass_ms
 
     costs = [stage(fwd=1.0, bwd_input=2.0, bwd_weight=2.0, output_bytes=1_000_000),
              stage(fwd=1.0, bwd_input=2.0, bwd_weight=2.0, output_bytes=1_000_000)]

@@ -72,7 +72,7 @@ class TrainingSetup:
     """The pipeline runtime's own cost added to stage and step times (the profile's)."""
     router_loss_pass: bool = False
     """Each step first runs the MoE router loss's counting pass (the profile's
-    ``ModelInfo.router_loss_pass``); the step adds it (``simulate.engine.counting_pass_ms``)."""
+    ``ModelInfo.router_loss_pass``); the step adds it (``simulate.replay.counting_pass_ms``)."""
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or self.zero_stage not in ZERO_STAGES:

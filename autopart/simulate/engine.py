@@ -193,31 +193,6 @@ def critical_counts(stage_costs: Sequence[StageCost], *, schedule: str, pp_size:
         return levels.critical_counts(duration_table(stage_costs, split, setup, charges))
 
 
-def counting_pass_ms(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
-                     virtual_stages: int, num_microbatches: int, setup: TrainingSetup,
-                     step_ms: float) -> float:
-    """The MoE router loss's counting pass before each step (``autopart.runtime.aux_loss``).
-
-    Split-backward schedules run one whole step for it (torch cannot switch their stages
-    to forward-only): ``step_ms``, the schedule's own step. The others run the schedule
-    forward-only (``schedule.eval``): the same order with no backward and no gradient
-    sends, each forward at its training price (a no-grad forward saves nothing, so this
-    errs high). Raises ``PlanError`` as ``simulate`` does.
-    """
-    split = schedule_info(schedule).split_backward
-    if split:
-        return step_ms
-    _check_costs(stage_costs, pp_size, virtual_stages)
-    charges = post_charges_ms(setup, schedule, pp_size, virtual_stages)
-    table = duration_table(stage_costs, split, setup, charges)
-    num = len(stage_costs)
-    table[num:3 * num] = 0.0  # B and W
-    table[4 * num:] = 0.0  # gradient sends
-    with paused_gc():
-        levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
-        return float(levels.run(table.reshape(-1, 1))[1][0])
-
-
 def _check_costs(stage_costs: Sequence[StageCost], pp_size: int, virtual_stages: int) -> None:
     num_stages = pp_size * virtual_stages
     if len(stage_costs) != num_stages:

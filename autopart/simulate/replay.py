@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from autopart.cost.rank import shared_grad_sync_ms, stage_costs_of_plan, step_overhead_ms
+from autopart.cost.rank import (
+    post_charges_ms,
+    shared_grad_sync_ms,
+    stage_costs_of_plan,
+    step_overhead_ms,
+)
 from autopart.cost.stage import StageCost
 from autopart.schedules import schedule_info, stage_to_rank
 from autopart.schema import Plan, TrainingSetup
-from autopart.simulate.engine import SimResult, counting_pass_ms, simulate
+from autopart.simulate.engine import SimResult, duration_table, simulate
+from autopart.simulate.levels import level_plan
+from autopart.simulate.orders import paused_gc
 
 __all__ = ["simulate_plan", "with_step_overhead"]
 
@@ -25,7 +32,7 @@ def with_step_overhead(result: SimResult, setup: TrainingSetup,
     split head) over its holders (``rank_cost.shared_grad_sync_ms``). Every rank waits for
     it, so step and idle times grow by it; busy times and the events stay the schedule's.
     With ``setup.router_loss_pass`` the MoE router loss's counting pass is added too
-    (``engine.counting_pass_ms``; it needs ``costs``).
+    (``counting_pass_ms``; it needs ``costs``).
 
     Args:
         result: A simulated step.
@@ -87,3 +94,27 @@ def simulate_plan(plan: Plan, *, record_events: bool = True,
                       record_events=record_events)
     return with_step_overhead(result, plan.setup, costs, plan.schedule, plan.virtual_stages,
                               plan.num_microbatches)
+
+
+def counting_pass_ms(stage_costs: Sequence[StageCost], *, schedule: str, pp_size: int,
+                     virtual_stages: int, num_microbatches: int, setup: TrainingSetup,
+                     step_ms: float) -> float:
+    """The MoE router loss's counting pass before each step (``autopart.runtime.aux_loss``).
+
+    Split-backward schedules run one whole step for it (torch cannot switch their stages
+    to forward-only): ``step_ms``, the schedule's own step. The others run the schedule
+    forward-only (``schedule.eval``): the same order with no backward and no gradient
+    sends, each forward at its training price (a no-grad forward saves nothing, so this
+    errs high). ``stage_costs`` must be ``pp_size * virtual_stages`` (``simulate`` checks).
+    """
+    split = schedule_info(schedule).split_backward
+    if split:
+        return step_ms
+    charges = post_charges_ms(setup, schedule, pp_size, virtual_stages)
+    table = duration_table(stage_costs, split, setup, charges)
+    num = len(stage_costs)
+    table[num:3 * num] = 0.0  # B and W
+    table[4 * num:] = 0.0  # gradient sends
+    with paused_gc():
+        levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
+        return float(levels.run(table.reshape(-1, 1))[1][0])
