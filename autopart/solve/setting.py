@@ -111,8 +111,9 @@ class ConfigJudge:
 
     def evaluate_many(self, splits: Sequence[tuple[Sequence[tuple[int, int]], Sequence[bool]]]
                       ) -> list[Evaluated]:
-        """``evaluate`` of several ``(bounds, recompute)`` splits in one vectorized
-        simulation (``assemble.evaluate_splits``): the same figures, less time per split."""
+        """Simulate several ``(bounds, recompute)`` splits under the configuration in one
+        vectorized simulation (``assemble.evaluate_splits``), stage costs from the cache:
+        the figures of ``Setting.evaluate`` on each, less time per split."""
         return evaluate_splits(self.setting.setup, self.config, [
             (tuple(bounds), tuple(recompute),
              [self.cost(i, j, r) for (i, j), r in zip(bounds, recompute, strict=True)])
