@@ -357,6 +357,46 @@ def test_block_timer_splits_a_forward_at_each_block_start():
     assert len(timer.starts[0]) == 3 + 3  # hooks removed: the last forward added nothing
 
 
+def test_the_router_loss_counting_pass_is_one_span_apart_from_the_stage_forwards():
+    """The router loss's counting pass runs every stage forward once before the step: its
+    forwards are one ``COUNT`` span, not F spans of the step (summed per stage and
+    microbatch with the step's own, they read every stage's F twice). The block timer
+    records nothing inside it either."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autopart.verify.instrument import BlockTimer, StepRecorder
+
+    model = nn.Sequential(nn.Identity(), nn.Identity())
+    stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda mb, x: model(x),
+                            backward_one_chunk=lambda mb, *a, **kw: None,
+                            backward_weight_one_chunk=lambda mb, *a, **kw: None)
+
+    def counting_pass():
+        for mb in range(4):
+            stage.forward_one_chunk(mb, torch.zeros(2))
+
+    pipe = SimpleNamespace(pipe_stages=[stage], schedule=SimpleNamespace(
+        _maybe_compute_loss=lambda *a, **kw: None), _counting_pass=counting_pass,
+        stage_plans=[SimpleNamespace(index=0, modules=("0", "1"))], module=model,
+        stage_modules=[None])
+    recorder = StepRecorder(torch.device("cpu")).attach(pipe)
+    timer = BlockTimer(recorder).attach(pipe)
+    recorder.begin_step()
+    pipe._counting_pass()
+    for mb in range(4):
+        stage.forward_one_chunk(mb, torch.zeros(2))
+    recorder.detach()
+    timer.detach()
+    kinds = [span.kind for span in recorder.steps[0]]
+    assert kinds == ["COUNT"] + ["F"] * 4
+    assert [span.microbatch_idx for span in recorder.steps[0]][1:] == [0, 1, 2, 3]
+    assert len(timer.starts[0]) == 4 * 2  # the step's forwards' two blocks only
+    assert pipe._counting_pass is counting_pass and recorder.enabled
+
+
 def test_stage_cpu_time_is_the_median_of_each_microbatchs_spans(plan):
     """Each span's thread CPU time, given as half its length: the stage's forward (F + loss
     on the last stage) and full backward CPU figures are half the measured medians; a

@@ -255,7 +255,7 @@ def test_router_loss_counting_pass_holds_no_activations(tmp_path):
     for a backward that forward-only never runs: with autograd on, the pass held every
     microbatch's activations, and without it the last stage still held every logit
     (-52% / -66% on a tiny Qwen2-MoE under 1F1B). Every rank within 5% at m 8, vocabulary
-    4096 (a microbatch's logits: 2 MiB)."""
+    4096 (a microbatch's logits: 2 MiB). The pass's forwards are not the step's F spans."""
     import torch
     from families import tiny_config
 
@@ -280,6 +280,11 @@ def test_router_loss_counting_pass_holds_no_activations(tmp_path):
     for r in report.ranks:
         error = abs(r.measured_peak_memory_bytes / r.predicted_peak_memory_bytes - 1)
         assert error < 0.05, (r.rank, error, r.memory)
+    # the pass is one span per rank, apart from the step's eight forwards of each stage
+    events = report.measured_events
+    assert [e[1] for e in events].count("COUNT") == 2
+    for stage in plan.stages:
+        assert sum(1 for e in events if e[1] == "F" and e[2] == stage.index) == 8
 
 
 def test_the_rank_that_crashed_first_is_named(tmp_path):

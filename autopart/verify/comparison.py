@@ -34,7 +34,7 @@ def comparison_trace(report: RunReport, sim: SimResult) -> dict[str, Any]:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
                            "args": {"name": f"rank {rank}"}})
     for rank, kind, stage, mb, start, end in report.measured_events:
-        name = "WAIT" if kind == "WAIT" else f"{kind}{mb} s{stage}"
+        name = kind if kind in ("WAIT", "COUNT") else f"{kind}{mb} s{stage}"
         events.append(_span(name, 0, rank, start, end, "wait" if kind == "WAIT" else "compute"))
     for ev in sim.events:
         is_send = ev.kind == "SEND"

@@ -6,8 +6,12 @@
 ``backward_weight_one_chunk`` (``W``); on the schedule instance
 ``_maybe_compute_loss`` (``LOSS``, counted as part of the last stage's ``F``); and
 the module-level ``torch.distributed.pipelining.schedules._wait_batch_p2p``
-(``WAIT``: time blocked on sends/receives). Spans are kept in milliseconds from
-the start of the current step (``begin_step``). ``detach`` restores everything.
+(``WAIT``: time blocked on sends/receives). The router loss's counting pass
+(``PipelinedModel._counting_pass``, a forward-only pass of the schedule before the
+step) is one ``COUNT`` span with nothing inside it recorded: its forwards are not the
+step's, and a stage's F summed over both read twice the stage's forward. Spans are kept
+in milliseconds from the start of the current step (``begin_step``). ``detach``
+restores everything.
 
 On CUDA each span synchronizes the device before it reads the clock, so a span is
 the kernels' time, not the launch time.
@@ -32,11 +36,11 @@ class Span:
     """One timed call on one rank, in ms from the start of its step."""
 
     kind: str
-    """``F``, ``LOSS``, ``B``, ``BW`` (full backward), ``W`` or ``WAIT``."""
+    """``F``, ``LOSS``, ``B``, ``BW`` (full backward), ``W``, ``WAIT`` or ``COUNT``."""
     stage_idx: int
-    """The stage that ran it (-1 for ``WAIT``)."""
+    """The stage that ran it (-1 for ``WAIT`` and ``COUNT``)."""
     microbatch_idx: int
-    """-1 for ``WAIT``."""
+    """-1 for ``WAIT`` and ``COUNT``."""
     start_ms: float
     end_ms: float
     cpu_ms: float = 0.0
@@ -76,6 +80,8 @@ class StepRecorder:
         self._wrap(pipe.schedule, "_maybe_compute_loss", _loss_label)
         self._wrap(torch_schedules, "_wait_batch_p2p",
                    lambda a, kw: ("WAIT", -1, -1) if a and a[0] else None)
+        if hasattr(pipe, "_counting_pass"):
+            self._wrap(pipe, "_counting_pass", lambda a, kw: ("COUNT", -1, -1), apart=True)
         return self
 
     def detach(self) -> None:
@@ -87,7 +93,10 @@ class StepRecorder:
                 setattr(owner, name, original)
         self._restore.clear()
 
-    def _wrap(self, owner: Any, name: str, label: Callable[[tuple, dict], Any]) -> None:
+    def _wrap(self, owner: Any, name: str, label: Callable[[tuple, dict], Any],
+              apart: bool = False) -> None:
+        """Time every call of ``owner.name`` that ``label`` tags; ``apart``: record
+        nothing inside the call (it is one span of its own)."""
         original = getattr(owner, name)
         own = owner.__dict__.get(name) if hasattr(owner, "__dict__") else None
         self._restore.append((owner, name, own))
@@ -99,7 +108,11 @@ class StepRecorder:
                 return original(*args, **kwargs)
             self._sync()
             start, cpu = time.perf_counter(), time.thread_time()
-            out = original(*args, **kwargs)
+            self.enabled = not apart
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self.enabled = True  # it was: a call is timed only when recording
             self._sync()
             end, cpu = time.perf_counter(), time.thread_time() - cpu
             self.steps[-1].append(Span(tag[0], tag[1], int(tag[2]), 1e3 * (start - self._t0),
