@@ -143,24 +143,31 @@ def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
 
 
 def exact_step(config: Any, plan: Plan, reference: Any, aliases: dict[str, str],
-               recompute: bool, grad_norm: bool = False) -> dict:
+               recompute: bool, grad_norm: bool = False, steps: int = 1) -> dict:
     """One training step of ``plan`` on this rank against the unpipelined ``reference``
     (``families.Reference``): the loss (``None`` off the loss stage), the
     largest gradient difference and its parameter, and the state dict's keys; with
-    ``grad_norm``, the global gradient norm ``clip_grad_norm_`` reports too (collective)."""
+    ``grad_norm``, the global gradient norm ``clip_grad_norm_`` reports too (collective).
+    ``steps``: the same step run that many times (gradients cleared between, no
+    optimizer), the last one compared; ``modes`` holds torch's shape inference mode of
+    this rank's stages after it."""
     from autopart.intake.sources import build_hf_model
     from autopart.runtime import auto_pipeline
 
     pipe = auto_pipeline(build_hf_model(config), plan=plan, device="cpu",
                          activation_checkpointing=True if recompute else None)
     pipe.load_state_dict(reference.state)
-    loss = pipe.step(reference.input_ids, target=reference.labels,
-                     attention_mask=reference.mask)
+    for _ in range(steps):
+        for param in pipe.parameters():
+            param.grad = None
+        loss = pipe.step(reference.input_ids, target=reference.labels,
+                         attention_mask=reference.mask)
     diffs = max_grad_diffs(pipe.named_parameters(), reference.grads, aliases)
     norm = pipe.clip_grad_norm_(float("inf")).item() if grad_norm else None
     return {"grad_norm": norm, "loss": None if loss is None else loss.item(),
             "max_grad_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get),
-            "keys": sorted(pipe.state_dict())}
+            "keys": sorted(pipe.state_dict()),
+            "modes": [str(getattr(stage, "_inference_mode", None)) for stage in pipe.pipe_stages]}
 
 
 def check_exact(results: list[dict], plans: dict, tol: float) -> None:

@@ -29,6 +29,7 @@ from autopart.runtime.groups import Groups, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import local_tensor, place_grads
+from autopart.runtime.torch_stages import keep_inferred_shapes
 from autopart.schedules import schedule_info
 from autopart.schema import Plan, StagePlan
 
@@ -97,9 +98,11 @@ class PipelinedModel:
         self._aliases = aliases
         self._tp_grad_sum = list(tp_grad_sum or [])
         self._fsdp = fsdp
+        """Parameters are sharded over dp (FSDP): the schedule reduce-scatters gradients."""
         self._aux = aux
         """The router's load-balancing loss the config asks for (``autopart.runtime.aux_loss``)."""
-        """Parameters are sharded over dp (FSDP): the schedule reduce-scatters gradients."""
+        self._shapes_kept = False
+        """The stages take the first step's shapes (``keep_inferred_shapes``)."""
 
     # --- training ------------------------------------------------------------------------------
 
@@ -147,6 +150,9 @@ class PipelinedModel:
         with adding:
             self.schedule.step(*args, target=last_target, losses=mb_losses,
                                return_outputs=False, **kw)
+        if self._aux is not None and not self._shapes_kept:
+            keep_inferred_shapes(self.pipe_stages)  # the pass's switches infer no more
+            self._shapes_kept = True
         self._sync_grads()
         if losses is not None:
             losses.extend(mb_losses)

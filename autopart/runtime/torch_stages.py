@@ -47,6 +47,22 @@ class _ZeroedInferenceStage(PipelineStage):
         return made
 
 
+def keep_inferred_shapes(stages: list[PipelineStage]) -> None:
+    """Make every later initialization of ``stages`` take the shapes torch inferred at the
+    first step.
+
+    torch infers a stage's shapes again whenever its schedule switches between
+    forward-only and training: a real forward of one microbatch, then a forward and
+    backward for the gradients' shapes, stage after stage along the pipeline. The router
+    loss's counting pass (``schedule.eval`` before each ``step``) switches twice a step.
+    With every stage's metadata given as the user's, torch's vote picks its STATIC mode,
+    which skips the inference (the shapes of a step do not change from step to step)."""
+    for stage in stages:
+        inferred, given = stage._stage_meta, stage._user_meta
+        given.inputs, given.outputs = inferred.inputs, inferred.outputs
+        given.input_grads, given.output_grads = inferred.input_grads, inferred.output_grads
+
+
 def build_schedule(plan: Plan, stages: list[PipelineStage],
                    loss_fn: Callable[..., torch.Tensor], *, scale_grads: bool):
     """The torch schedule object named by ``plan.schedule``."""
