@@ -499,7 +499,9 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
              for s, sch, m, p in speed])]
     if loop_rows:
         text += ["", "Verify -> calibrate -> replan -> verify (1F1B):", "", markdown_table(
-            ["shape", "first plan err", "replanned pred ms", "meas ms", "err"], loop_rows)]
+            ["shape", "first plan err", "replanned pred ms", "meas ms", "err",
+             "replanned cuts", "first launches ms", "replanned launches ms",
+             "probe ms first / replanned"], loop_rows)]
     if final:
         print("\n".join(text))
     if args.out:
@@ -534,17 +536,25 @@ def measure(plan: Plan, settings: RunSettings, args: argparse.Namespace
 def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.Namespace,
                settings: RunSettings) -> list[str]:
     """Calibrate ``profile`` with the shape's 1F1B plan run, plan again, run, and return
-    the row: shape, first error, replanned prediction, measurement and error."""
+    the row: shape, first error, replanned prediction, measurement and error, the
+    replanned cuts (``same`` as the first plan's: then the two runs differ by the host
+    alone), both runs' launches and the machine probe before each."""
     first = next(r for r in runs if r.shape == shape.name and r.schedule == "1f1b"
                  and r.partition == "optimal")
     plan = first.predicted[next(iter(first.predicted))]
     calibrated = calibrate_profile(profile, first.report, plan)
     again = make_plan(calibrated, pp_size=2, num_microbatches=args.microbatches,
                       schedule="1f1b", virtual_stages=1)
-    report, _ = measure(again, settings, args)
+    probe = statistics.median(machine_probe())
+    report, launches = measure(again, settings, args)
+    same = list(again.pipeline_cuts) == list(plan.pipeline_cuts)
     return [shape.name, f"{100 * first.report.step_error:+.1f}%",
             f"{again.predicted_step_ms:.1f}", f"{report.measured_step_ms:.1f}",
-            f"{100 * report.step_error:+.1f}%"]
+            f"{100 * report.step_error:+.1f}%",
+            "same" if same else ", ".join(again.pipeline_cuts),
+            " ".join(f"{ms:.1f}" for ms in first.launches),
+            " ".join(f"{ms:.1f}" for ms in launches),
+            f"{first.probe_ms:.2f} / {probe:.2f}"]
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Mixtral and Qwen3-MoE with ``output_router_logits=True`` and ``router_aux_loss_coef``
 0.5 (large, so a wrong share shows): HF adds ``coef * load_balancing_loss_func(...)``
 over every layer's router logits and the whole padded batch. On 2 gloo ranks, with a
-cut between MoE layers and one inside a layer, under 1F1B, Interleaved 1F1B and ZBV with
-recomputed layers, the loss and every gradient must match within 1e-5 in fp32
+cut between MoE layers and one inside a layer, under 1F1B, Interleaved 1F1B, ZBV with
+recomputed layers and LoopedBFS with the head alone on the last stage, the loss and
+every gradient must match within 1e-5 in fp32
 (``autopart.runtime.aux_loss``: routing counted first, each stage adds its layers'
 exact linear share), at the first step and at the second, which runs on the first's
 shapes.
@@ -26,7 +27,10 @@ AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5, "router_jitter
 # schedule -> (stage sizes, activation checkpointing): ZBV splits the backward (the counting
 # pass is then a whole step whose gradients are dropped) and recomputes the layers
 PLANS = {"1f1b": ([3, 8], False), "interleaved-1f1b": ([2, 3, 3, 3], False),
-         "zbv": ([2, 3, 3, 3], True)}
+         "zbv": ([2, 3, 3, 3], True),
+         # the last stage holds the head alone: no router there (HF's own loss, were it
+         # left on, would read an empty tuple of logits)
+         "looped-bfs": ([2, 3, 5, 1], False)}
 
 
 def _worker(rank: int, world_size: int, model_type: str) -> dict:
@@ -59,6 +63,6 @@ def test_router_aux_loss_trains_exactly(tmp_path, model_type):
     again at each switch between the counting pass and training (``STATIC``)."""
     results = run_ranks(_worker, 2, tmp_path, model_type)
     check_exact(results, PLANS, TOL)
-    for schedule in ("1f1b", "interleaved-1f1b"):  # ZBV's pass is a whole step: no switch
+    for schedule in ("1f1b", "interleaved-1f1b", "looped-bfs"):  # ZBV's pass: a whole step
         assert all("STATIC" in mode for r in results for mode in r[schedule]["modes"]), \
             (schedule, [r[schedule]["modes"] for r in results])

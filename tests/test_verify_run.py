@@ -287,11 +287,13 @@ def test_router_loss_counting_pass_holds_no_activations(tmp_path):
         assert sum(1 for e in events if e[1] == "F" and e[2] == stage.index) == 8
 
 
-def test_the_rank_that_crashed_first_is_named(tmp_path):
-    """Rank 0 crashing because its peer went away is a consequence: the error names the
-    rank whose own failure it was."""
-    (tmp_path / "crash_rank0.txt").write_text(
-        "Traceback ...\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+@pytest.mark.parametrize("lost", ["[pair.cc:553] Connection closed by peer [127.0.0.1]:1",
+                                  "[pair.cc:537] Read error [127.0.0.1]:2: Connection reset "
+                                  "by peer. This is typically caused by a remote worker"])
+def test_the_rank_that_crashed_first_is_named(tmp_path, lost):
+    """Rank 0 crashing because its peer went away is a consequence (gloo says the
+    connection was closed or reset): the error names the rank whose own failure it was."""
+    (tmp_path / "crash_rank0.txt").write_text(f"Traceback ...\nRuntimeError: {lost}")
     (tmp_path / "crash_rank1.txt").write_text("Traceback ...\nAttributeError: no attribute x")
     error = verify_run._rank_error(tmp_path, RuntimeError("spawn"))
     assert str(error).startswith("rank1 crashed: AttributeError: no attribute x")

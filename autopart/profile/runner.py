@@ -32,33 +32,13 @@ from autopart.intake.forward import (
     meta_copy,
     structure_key,
 )
+from autopart.intake.hf import own_router_loss_off
 from autopart.schema import BlockProfile
 
 __all__ = []
 
 
 Visit = Callable[[int, nn.Module, tuple, dict], Any]
-
-
-@contextlib.contextmanager
-def _router_loss_off(model: nn.Module):
-    """The HF model's own router load-balancing loss off (``output_router_logits``) for
-    the duration, restored after.
-
-    A pipeline stage never runs it: the last stage leaves the model's forward at the head,
-    and the runtime adds the loss itself (``autopart.runtime.aux_loss``, its cost outside
-    the block times). With it on, a forward whose block calls are answered by recorded
-    outputs (``ForwardRunner.time_glue``) records no router logits, and HF's
-    ``load_balancing_loss_func`` fails on the empty tuple."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False):
-        yield
-        return
-    config.output_router_logits = False
-    try:
-        yield
-    finally:
-        config.output_router_logits = True
 
 
 class ForwardRunner:
@@ -103,7 +83,7 @@ class ForwardRunner:
         try:
             start = clock()
             with (torch.enable_grad() if grad else torch.no_grad()), \
-                    intercept(self.model, calls, handler), keep, _router_loss_off(self.model):
+                    intercept(self.model, calls, handler), keep, own_router_loss_off(self.model):
                 self.model(*args, **kwargs)
             end = clock()
         finally:

@@ -57,6 +57,7 @@ from autopart.intake.forward import (
     model_output_tensor,
 )
 from autopart.intake.head_split import vocab_range
+from autopart.intake.hf import own_router_loss_off
 from autopart.intake.slice_rules import main_output
 from autopart.runtime.head_shards import HeadCarry, shard_carry, token_losses
 from autopart.runtime.partials import Partial, plus_partial, run_partial, stage_partials
@@ -236,7 +237,7 @@ class ForwardStage(Tree):
             if received is not None else None
         try:
             with autocast, intercept(self._root, self._calls, handler), glue, \
-                    _hooks_suspended(self._outside):
+                    _hooks_suspended(self._outside), own_router_loss_off(self._root):
                 output = self._root(*model_args, **self._const_kwargs, **kwargs)
         except StageExit as stop:
             return stop.value

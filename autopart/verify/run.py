@@ -212,8 +212,9 @@ def _rank_error(tmp: Path, exc: Exception) -> AutopartError:
     if errors:
         return RuntimeSetupError(errors[0].read_text().strip())
     # A rank that lost its peer crashed because another did: show the other one first.
+    # gloo says "Connection closed by peer" or "Connection reset by peer".
     crashes = sorted(tmp.glob("crash_rank*.txt"),
-                     key=lambda path: ("closed by peer" in path.read_text(), path.name))
+                     key=lambda path: (" by peer" in path.read_text(), path.name))
     if crashes:
         last = crashes[0].read_text().strip().splitlines()[-1]
         logger.error("%s", crashes[0].read_text())
