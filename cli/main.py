@@ -57,6 +57,11 @@ def build_parser(argv: list[str] | None = None
     modules = _load_commands(tuple(named[:1]) or _COMMANDS)
     for module in modules.values():
         module.add_parser(sub)
+    for command in sub.choices.values():  # also after the command: `autopart verify ... -v`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks on errors")
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log progress details")
     return parser, modules
 
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 from solve_helpers import GIB, llama_like
 
+from autopart.errors import AutopartError
 from autopart.schema import Plan
 from cli.main import main
 
@@ -117,6 +118,16 @@ def test_debug_shows_the_traceback(tmp_path):
                              str(tmp_path / "nope.json")], capture_output=True, text=True,
                             check=False, timeout=120)
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["--debug", "-v", "simulate", "PLAN"],
+                                  ["simulate", "PLAN", "--debug", "-v"]])
+def test_debug_and_verbose_go_before_or_after_the_command(tmp_path, argv):
+    """The one-line errors say "rerun with --debug -v": after the command as well."""
+    argv = [str(tmp_path / "nope.json") if a == "PLAN" else a for a in argv]
+    with pytest.raises(AutopartError, match="does not exist"):
+        main(argv)
+    assert main(["simulate", str(tmp_path / "nope.json")]) == 2  # without: one line
 
 
 def test_argument_errors_are_one_line(capsys):
