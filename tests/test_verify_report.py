@@ -547,3 +547,45 @@ def test_pooled_report_is_the_geometric_mean_of_runs_of_one_plan(profile, plan, 
     assert calibrated.calibration["factors"][0]["fwd"] == pytest.approx(2 * 3.0, rel=1e-6)
     with pytest.raises(ValueError, match="same plan"):
         pooled_report((report, dataclasses.replace(report, plan_digest="other")))
+
+
+def test_the_router_loss_counting_pass_is_priced_as_measured(profile):
+    """A run's ``COUNT`` spans (the longest rank's, median over steps) scale the counting
+    pass's price from the blocks: planning again prices it as measured, the scale kept
+    in the runtime overhead and the calibration record; a report without the spans keeps
+    the scale 1."""
+    from autopart.cost.rank import stage_costs_of_plan
+    from autopart.schema import RuntimeOverhead
+    from autopart.simulate.replay import counting_pass_ms
+
+    check = RuntimeOverhead(fwd_action_ms=0.05, bwd_action_ms=0.07, p2p_ms=0.06, step_ms=0.2,
+                            link_latency_ms=0.5, link_bandwidth_bytes_per_s=50e9,
+                            backend="gloo", num_threads=1)
+    moe = dataclasses.replace(profile, runtime_overhead=check, model=dataclasses.replace(
+        profile.model, router_loss_pass=True))
+    planned = make_plan(moe, pp_size=2, num_microbatches=4, schedule="1f1b")
+    results = []
+    for rank in (0, 1):
+        base = _rank_result(planned, rank, 1.0)
+        spans = tuple((("COUNT", -1, -1, 0.0, 7.0 + rank + 2 * step),) + step_spans
+                      for step, step_spans in enumerate(base.spans))
+        results.append(dataclasses.replace(base, spans=spans))
+    run = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0), results)
+    assert run.measured_count_ms == pytest.approx(9.0)  # steps' longest: 8 and 10
+    assert all(s.measured_fwd_ms > 0 for s in run.stages)
+    calibrated = calibrate_profile(moe, run, planned)
+    record = calibrated.calibration["count_pass"]
+    assert calibrated.runtime_overhead.count_pass_scale == record["after"] == pytest.approx(
+        9.0 / record["priced_ms"], rel=1e-3)
+    again = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule="1f1b",
+                      cuts=tuple(planned.pipeline_cuts))
+    assert abs(record["priced_ms"] - 9.0) > 1.0  # the scale is what brings it to 9
+    setup = dataclasses.replace(again.setup, runtime_overhead=dataclasses.replace(
+        again.setup.runtime_overhead, p2p_ms=check.p2p_ms))  # the price before the post fit
+    assert counting_pass_ms(stage_costs_of_plan(again), schedule="1f1b", pp_size=2,
+                            virtual_stages=1, num_microbatches=4, setup=setup,
+                            step_ms=0.0) == pytest.approx(9.0, rel=0.02)
+    bare = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0),
+                        [_rank_result(planned, 0, 1.0), _rank_result(planned, 1, 1.0)])
+    assert bare.measured_count_ms == 0.0
+    assert calibrate_profile(moe, bare, planned).runtime_overhead.count_pass_scale == 1.0

@@ -291,6 +291,11 @@ class RuntimeOverhead:
     allreduce_bandwidth_bytes_per_s: float = 0.0
     """Gradient bytes per second that all-reduce sums between the two ranks, beyond its
     fixed ms. 0: not measured; the sums are then priced on the link."""
+    count_pass_scale: float = 1.0
+    """The MoE router loss's forward-only counting pass, measured over its price from the
+    blocks' training forwards (``simulate.replay.counting_pass_ms``): a forward without
+    autograd costs less. Fitted by a run of a plan with the loss (the CPU rehearsal,
+    ``autopart.verify.calibrate``); 1: not measured."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_action_ms", "bwd_action_ms", "p2p_ms", "step_ms", "link_latency_ms",
@@ -300,6 +305,9 @@ class RuntimeOverhead:
             if not (math.isfinite(value) and value >= 0):
                 raise SchemaError(f"runtime overhead {name} = {value!r}, expected a finite "
                                   f"number >= 0; run `autopart calibrate --machine` again")
+        if not (math.isfinite(self.count_pass_scale) and self.count_pass_scale > 0):
+            raise SchemaError(f"runtime overhead count_pass_scale = {self.count_pass_scale!r}, "
+                              f"expected a finite number > 0; run `autopart profile` again")
         if not self.link_bandwidth_bytes_per_s > 0:
             raise SchemaError(f"runtime overhead link bandwidth must be positive, got "
                               f"{self.link_bandwidth_bytes_per_s}")

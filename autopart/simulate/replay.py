@@ -104,8 +104,9 @@ def counting_pass_ms(stage_costs: Sequence[StageCost], *, schedule: str, pp_size
     Split-backward schedules run one whole step for it (torch cannot switch their stages
     to forward-only): ``step_ms``, the schedule's own step. The others run the schedule
     forward-only (``schedule.eval``): the same order with no backward and no gradient
-    sends, each forward at its training price (a no-grad forward saves nothing, so this
-    errs high). ``stage_costs`` must be ``pp_size * virtual_stages`` (``simulate`` checks).
+    sends, each forward at its training price (it runs without autograd: this errs high)
+    times the scale a run measured (``RuntimeOverhead.count_pass_scale``).
+    ``stage_costs`` must be ``pp_size * virtual_stages`` (``simulate`` checks).
     """
     split = schedule_info(schedule).split_backward
     if split:
@@ -117,4 +118,6 @@ def counting_pass_ms(stage_costs: Sequence[StageCost], *, schedule: str, pp_size
     table[4 * num:] = 0.0  # gradient sends
     with paused_gc():
         levels = level_plan(schedule, pp_size, virtual_stages, num_microbatches)
-        return float(levels.run(table.reshape(-1, 1))[1][0])
+        ms = float(levels.run(table.reshape(-1, 1))[1][0])
+    overhead = setup.runtime_overhead
+    return ms * (overhead.count_pass_scale if overhead is not None else 1.0)

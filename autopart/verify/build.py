@@ -68,7 +68,16 @@ def build_report(plan: Plan, settings: RunSettings, results: Sequence[RankResult
         zero_stage=plan.zero_stage, reshard_after_forward=plan.reshard_after_forward,
         parts=dict(plan.parts),
         blocks=_block_reports(first),
+        measured_count_ms=_count_ms(results),
     )
+
+
+def _count_ms(results: Sequence[RankResult]) -> float:
+    """Median over timed steps of the longest ``COUNT`` span of any rank (0: none)."""
+    per_step = [max((end - start for r in results for kind, *_, start, end in r.spans[i]
+                     if kind == "COUNT"), default=0.0)
+                for i in range(min(len(r.spans) for r in results))]
+    return round(statistics.median(per_step), 4) if per_step else 0.0
 
 
 def _block_reports(results: Sequence[RankResult]) -> tuple[BlockReport, ...]:

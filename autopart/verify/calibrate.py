@@ -39,7 +39,7 @@ from autopart.schedules import schedule_info
 from autopart.schema import BlockProfile, Part, Plan, Profile, RuntimeOverhead
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
-__all__ = ["calibrate_profile", "fit_post_price", "post_field"]
+__all__ = ["calibrate_profile", "fit_count_pass", "fit_post_price", "post_field"]
 
 
 def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = None,
@@ -52,7 +52,9 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     ratios, each weighted by its share of the vocabulary. The runtime's price per post
     of the report's kind of schedule becomes, given ``plan``, the one at which the plan
     predicts the run's step (``fit_post_price``), else the one the run measured outside
-    the actions (``measured_post_ms``, where the report has the ranks' own steps).
+    the actions (``measured_post_ms``, where the report has the ranks' own steps). Given
+    ``plan`` and a MoE router loss, the counting pass is first priced as measured
+    (``fit_count_pass``).
 
     Args:
         profile: The profile the plan was made from.
@@ -103,6 +105,10 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     if overhead is not None and plan is not None and report.measured_step_ms > 0:
         costs = [_changed(cost, changes.get(s, {}), first=s == 0)
                  for s, cost in enumerate(stage_costs_of_plan(plan))]
+        if report.measured_count_ms > 0 and plan.setup.router_loss_pass \
+                and not schedule_info(plan.schedule).split_backward:
+            overhead, record["count_pass"] = fit_count_pass(plan, costs, overhead,
+                                                            report.measured_count_ms)
         overhead, record["post"] = fit_post_price(plan, report.measured_step_ms, overhead,
                                                   costs)
     elif overhead is not None and (post := measured_post_ms(report, overhead)) is not None:
@@ -118,6 +124,30 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         overhead = dataclasses.replace(overhead, **moved)
     return dataclasses.replace(profile, blocks=tuple(blocks), calibration=record,
                                runtime_overhead=overhead)
+
+
+def fit_count_pass(plan: Plan, costs: Sequence[StageCost], overhead: RuntimeOverhead,
+                   measured_ms: float) -> tuple[RuntimeOverhead, dict[str, Any]]:
+    """The MoE router loss's counting pass priced as a run measured it: the scale
+    (``RuntimeOverhead.count_pass_scale``) of its price from ``plan``'s stages
+    (``costs``, as calibrated) that gives the run's ``measured_ms``.
+
+    Returns:
+        The overhead with the scale, and the record ``Profile.calibration`` keeps
+        (``before``, ``after``, ``measured_ms``, ``priced_ms``: the price at scale 1).
+    """
+    from autopart.simulate.replay import counting_pass_ms
+
+    setup = dataclasses.replace(plan.setup, runtime_overhead=dataclasses.replace(
+        overhead, count_pass_scale=1.0))
+    priced = counting_pass_ms(costs, schedule=plan.schedule, pp_size=plan.pp_size,
+                              virtual_stages=plan.virtual_stages,
+                              num_microbatches=plan.num_microbatches, setup=setup,
+                              step_ms=0.0)
+    scale = round(measured_ms / priced, 4) if priced > 0 else overhead.count_pass_scale
+    return dataclasses.replace(overhead, count_pass_scale=scale), {
+        "before": overhead.count_pass_scale, "after": scale,
+        "measured_ms": round(measured_ms, 3), "priced_ms": round(priced, 3)}
 
 
 def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhead,

@@ -111,6 +111,9 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     latency = (f", link latency {post['link_latency_ms'][0]:.3f} -> "
                f"{post['link_latency_ms'][1]:.3f} ms" if post and "link_latency_ms" in post
                else "")
+    count = record.get("count_pass")
+    counted = (f", router loss counting pass priced {count['priced_ms']:.1f} ms, measured "
+               f"{count['measured_ms']:.1f} ms (x{count['after']:.2f})" if count else "")
     priced = []
     for key, name, kind, run, kind_launches in kinds:
         if kind is None:
@@ -132,7 +135,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
                f"{first.measured_step_ms:.1f} ms{_of_launches(launches)}, then "
                f"{again.measured_step_ms:.1f} ms{_of_launches(again_launches)}; folded in "
                f"(their geometric mean): "
-               f"{factors}{posts}{latency}"
+               f"{factors}{counted}{posts}{latency}"
                f"{''.join(priced)}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
                      summary=summary)

@@ -183,6 +183,9 @@ class RunReport(JsonFile):
     measured_steps_ms: tuple[float, ...] = ()
     """Every timed step of the slowest rank, in the order they ran (``measured_step_ms`` is
     their median; empty in reports written before it)."""
+    measured_count_ms: float = 0.0
+    """The MoE router loss's counting pass before each step (``COUNT`` spans): the median
+    over timed steps of the longest rank's; 0 without the loss (or before it was timed)."""
     schema_version: int = REPORT_SCHEMA_VERSION
 
     @property
@@ -193,7 +196,8 @@ class RunReport(JsonFile):
 
 def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
     """Several runs of one plan as one report: each stage's measured F, B (and B and W
-    apart, where measured) and the step are the geometric mean over the runs, the timed
+    apart, where measured), the step and the counting pass are the geometric mean over
+    the runs, the timed
     steps every run's in turn; everything else is the first run's.
 
     Args:
@@ -224,6 +228,7 @@ def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
                                         for key in keys}))
     return replace(reports[0], stages=tuple(stages),
                    measured_step_ms=mean([r.measured_step_ms for r in reports]),
+                   measured_count_ms=mean([r.measured_count_ms for r in reports]) or 0.0,
                    measured_steps_ms=tuple(t for r in reports for t in r.measured_steps_ms))
 
 
