@@ -90,10 +90,18 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     GPipe and 1F1B again (each in two or three launches, the median kept) and folds them
     in: planning any of them again predicts the step that ran (1F1B's: both runs'
     geometric mean)."""
+    import autopart.solve
     from autopart.schema import RuntimeOverhead
-    from autopart.solve import make_plan
+    from autopart.solve import make_plan, plan_again
     from autopart.verify import save_cached_overhead
 
+    rehearsed = []  # the rehearsal's plans: 1F1B, Interleaved 1F1B, GPipe (even splits)
+
+    def spy(*args, **kwargs):
+        rehearsed.append(make_plan(*args, **kwargs))
+        return rehearsed[-1]
+
+    monkeypatch.setattr(autopart.solve, "make_plan", spy)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     threads = max(1, (os.cpu_count() or 1) // 2)
     check = RuntimeOverhead(fwd_action_ms=0.01, bwd_action_ms=0.01, p2p_ms=0.0001,
@@ -123,8 +131,10 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     assert record["post"]["run_step_ms"] == pytest.approx(record["measured_step_ms"], abs=1e-3)
     # the record says the step the fitted prices predict: the run's, or above it where a
     # run on a host's slow spell was faster than its stages' medians add up to (free posts)
-    even = make_plan(profile, pp_size=2, num_microbatches=4, schedule="1f1b",
-                     partition="even")
+    # the same splits replanned (``make_plan`` on the calibrated blocks may pick another
+    # granularity for an even split: under CI load it read 1.1% off)
+    assert [p.schedule for p in rehearsed] == ["1f1b", "interleaved-1f1b", "gpipe"]
+    even = plan_again(profile, rehearsed[0])
     assert even.predicted_step_ms == pytest.approx(record["post"]["predicted_step_ms"],
                                                    rel=0.01)
     assert record["post"]["predicted_step_ms"] >= 0.999 * record["measured_step_ms"]
@@ -132,16 +142,14 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     assert runtime["field"] == "runtime_p2p_ms" and "interleaved 1F1B (v 2) measured" in out
     assert len(runtime["launches_ms"]) in (2, 3)
     assert profile.runtime_overhead.runtime_p2p_ms == runtime["after_ms"]
-    interleaved = make_plan(profile, pp_size=2, num_microbatches=4,
-                            schedule="interleaved-1f1b", virtual_stages=2, partition="even")
+    interleaved = plan_again(profile, rehearsed[1])
     assert interleaved.predicted_step_ms == pytest.approx(runtime["predicted_step_ms"],
                                                           rel=0.01)
     assert runtime["predicted_step_ms"] >= 0.999 * runtime["run_step_ms"]
     gpipe = record["gpipe_post"]
     assert gpipe["field"] == "gpipe_p2p_ms" and "GPipe (m 8) measured" in out
     assert profile.runtime_overhead.gpipe_p2p_ms == gpipe["after_ms"] > 0
-    waits = make_plan(profile, pp_size=2, num_microbatches=8, schedule="gpipe",
-                      partition="even")
+    waits = plan_again(profile, rehearsed[2])
     assert waits.predicted_step_ms == pytest.approx(gpipe["predicted_step_ms"], rel=0.01)
 
 
