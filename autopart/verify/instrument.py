@@ -108,11 +108,14 @@ class StepRecorder:
                 return original(*args, **kwargs)
             self._sync()
             start, cpu = time.perf_counter(), time.thread_time()
-            self.enabled = not apart
-            try:
+            if apart:
+                self.enabled = False
+                try:
+                    out = original(*args, **kwargs)
+                finally:
+                    self.enabled = True  # it was: a call is timed only when recording
+            else:
                 out = original(*args, **kwargs)
-            finally:
-                self.enabled = True  # it was: a call is timed only when recording
             self._sync()
             end, cpu = time.perf_counter(), time.thread_time() - cpu
             self.steps[-1].append(Span(tag[0], tag[1], int(tag[2]), 1e3 * (start - self._t0),

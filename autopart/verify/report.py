@@ -197,8 +197,7 @@ class RunReport(JsonFile):
 def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
     """Several runs of one plan as one report: each stage's measured F, B (and B and W
     apart, where measured), the step and the counting pass are the geometric mean over
-    the runs, the timed
-    steps every run's in turn; everything else is the first run's.
+    the runs, the timed steps every run's in turn; everything else is the first run's.
 
     Args:
         reports: Runs of the same plan (one digest), e.g. launched minutes apart.
@@ -228,7 +227,7 @@ def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
                                         for key in keys}))
     return replace(reports[0], stages=tuple(stages),
                    measured_step_ms=mean([r.measured_step_ms for r in reports]),
-                   measured_count_ms=mean([r.measured_count_ms for r in reports]) or 0.0,
+                   measured_count_ms=mean([r.measured_count_ms for r in reports]),
                    measured_steps_ms=tuple(t for r in reports for t in r.measured_steps_ms))
 
 

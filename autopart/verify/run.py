@@ -213,12 +213,13 @@ def _rank_error(tmp: Path, exc: Exception) -> AutopartError:
         return RuntimeSetupError(errors[0].read_text().strip())
     # A rank that lost its peer crashed because another did: show the other one first.
     # gloo says "Connection closed by peer" or "Connection reset by peer".
-    crashes = sorted(tmp.glob("crash_rank*.txt"),
-                     key=lambda path: (" by peer" in path.read_text(), path.name))
+    crashes = sorted(((path.read_text(), path) for path in tmp.glob("crash_rank*.txt")),
+                     key=lambda crash: (" by peer" in crash[0], crash[1].name))
     if crashes:
-        last = crashes[0].read_text().strip().splitlines()[-1]
-        logger.error("%s", crashes[0].read_text())
-        return RuntimeSetupError(f"{crashes[0].stem.split('_')[1]} crashed: {last}; rerun with "
+        text, path = crashes[0]
+        last = text.strip().splitlines()[-1]
+        logger.error("%s", text)
+        return RuntimeSetupError(f"{path.stem.split('_')[1]} crashed: {last}; rerun with "
                                  f"--debug -v for the traceback")
     return RuntimeSetupError(f"a rank failed ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[-1] if str(exc) else ''})")
