@@ -10,7 +10,7 @@ from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 51
 2. ``autopart plan`` for pp 2 under 1F1B (v 1) and Interleaved 1F1B (v 2), each as the
    plan (``optimal``) and as the even split;
 3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code), in two
-   launches and a third where their steps differ by more than 10%, the median kept
+   launches, pooled where their steps agree within 10%, else a third and the median kept
    (``verify_steadily``, as the rehearsal measures; ``--one-launch``: one launch, as the
    sweeps before r9 did).
 

@@ -119,15 +119,22 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     assert "rehearsal (even split, 1F1B, m 4" in out and "geometric mean): stage 0 F x" in out
     assert len(record["factors"]) == 2 and record["post"]["field"] == "p2p_ms"
     assert profile.runtime_overhead.p2p_ms == record["post"]["after_ms"]
-    # each kind's run: two launches, a third where they disagreed, the median kept; the
-    # 1F1B split runs first and last, and the two runs' geometric mean is folded in
+    # each kind's run: two launches pooled, or a third where they disagreed and the median
+    # kept; the 1F1B split runs first and last (a third time where the two disagreed), and
+    # the geometric mean of the two that agree best is folded in
     def kept(launches):
         assert len(launches) in (2, 3)
-        return sorted(launches)[1] if len(launches) == 3 else launches[0]
+        return sorted(launches)[1] if len(launches) == 3 else (launches[0] * launches[1]) ** 0.5
 
-    assert record["measured_step_ms"] == pytest.approx(
-        (kept(record["launches_ms"]) * kept(record["again_launches_ms"])) ** 0.5, rel=1e-4)
-    assert "twice" in record["source"] and ", then " in out
+    runs = sorted(kept(record[key]) for key in ("launches_ms", "again_launches_ms",
+                                                "third_launches_ms") if key in record)
+    if len(runs) == 3:
+        assert "three times" in record["source"] and "two that agree best" in out
+        runs = runs[:2] if runs[1] / runs[0] <= runs[2] / runs[1] else runs[1:]
+    else:
+        assert "twice" in record["source"] and "their geometric mean" in out
+    assert record["measured_step_ms"] == pytest.approx((runs[0] * runs[1]) ** 0.5, rel=1e-4)
+    assert ", then " in out
     assert record["post"]["run_step_ms"] == pytest.approx(record["measured_step_ms"], abs=1e-3)
     # the record says the step the fitted prices predict: the run's, or above it where a
     # run on a host's slow spell was faster than its stages' medians add up to (free posts)
@@ -151,6 +158,20 @@ def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, caps
     assert profile.runtime_overhead.gpipe_p2p_ms == gpipe["after_ms"] > 0
     waits = plan_again(profile, rehearsed[2])
     assert waits.predicted_step_ms == pytest.approx(gpipe["predicted_step_ms"], rel=0.01)
+
+
+@pytest.mark.parametrize(("steps", "pooled"), [((54.8, 45.3, 44.0), (44.0, 45.3)),
+                                              ((40.0, 52.0, 50.0), (50.0, 52.0)),
+                                              ((50.0, 51.0), (50.0, 51.0))])
+def test_the_rehearsal_pools_the_two_runs_that_agree_best(steps, pooled):
+    """Two 1F1B runs are pooled; of three (the first two disagreed), the two closest by
+    ratio, so that a run on a slow spell is dropped rather than averaged in."""
+    from types import SimpleNamespace
+
+    from autopart.verify.rehearse import _closest_two
+
+    runs = [(SimpleNamespace(measured_step_ms=ms), ()) for ms in steps]
+    assert tuple(run.measured_step_ms for run, _ in _closest_two(runs)) == pooled
 
 
 def test_no_machine_check_says_how_to_run_one(tmp_path, monkeypatch, capsys, one_thread):

@@ -6,8 +6,9 @@ be reused, the call is measured again; when the two disagree (F + B differ by mo
 than ``NOISE_SPREAD``) it is measured a third time and the median of the three is
 kept, flagged as disagreeing. A measurement whose repeats still spread after
 ``measure_times_clean`` is never reused: each identical block is measured itself.
-The same rule, with a tighter spread, keeps one launch of a whole run where a host's
-slow spells move a run's step from launch to launch (``autopart.verify.run.verify_steadily``).
+A whole run is launched again the same way where a host's slow spells move a run's step
+from launch to launch (``autopart.verify.run.verify_steadily``, which pools two launches
+that agree).
 """
 
 from __future__ import annotations

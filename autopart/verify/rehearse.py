@@ -16,26 +16,28 @@ model. A third, the even split under GPipe at ``4 x pp`` microbatches (the plann
 default count), prices GPipe's posts (``RuntimeOverhead.gpipe_p2p_ms``): GPipe waits its
 forward sends after every forward and its backward sends when the step ends, and its
 posts cost several times 1F1B's. Each run is measured as ``verify_steadily`` does (two
-launches, a third where they disagree, the median kept): one launch on a host's slow
-spell would otherwise set every plan's post price. The 1F1B split runs once more last,
-and what is folded in is the two 1F1B runs' geometric mean (``pooled_report``): on a
-shared host a slow spell lasts longer than a run's launches, which read alike, while runs
-minutes apart do not, so one run's stage factors carry its spell into every plan
-(``docs/timing-sweep.md``). The Interleaved and GPipe runs' stages are not pooled: their
-F and B differ from 1F1B's on small models (GPipe's eight microbatches in flight ran the
-tiny Qwen2's blocks 1.3x slower), and their posts are priced with the blocks as pooled.
-``autopart profile --pp N`` does it on CPU; ``--no-rehearsal`` keeps the blocks as
-measured.
+launches pooled where they agree, else a third and the median kept): one launch on a
+host's slow spell would otherwise set every plan's post price. The 1F1B split runs once
+more last, and what is folded in is the two 1F1B runs' geometric mean
+(``pooled_report``): on a shared host a slow spell lasts longer than a run's launches,
+which read alike, while runs minutes apart do not, so one run's stage factors carry its
+spell into every plan (``docs/timing-sweep.md``). Where the two runs' steps differ by
+more than ``LAUNCH_SPREAD`` a third run decides, and the two that agree best are pooled.
+The Interleaved and GPipe runs' stages are not pooled: their F and B differ from 1F1B's
+on small models (GPipe's eight microbatches in flight ran the tiny Qwen2's blocks 1.3x
+slower), and their posts are priced with the blocks as pooled. ``autopart profile --pp
+N`` does it on CPU; ``--no-rehearsal`` keeps the blocks as measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from autopart.profile.noise import agree
 from autopart.schema import Profile
 from autopart.verify.calibrate import calibrate_profile, fit_post_price
-from autopart.verify.report import pooled_report
-from autopart.verify.run import ProgressFn, verify_steadily
+from autopart.verify.report import RunReport, pooled_report
+from autopart.verify.run import LAUNCH_SPREAD, ProgressFn, verify_steadily
 from autopart.verify.worker import RunSettings
 
 __all__ = ["REHEARSAL_STEPS", "Rehearsal", "rehearse"]
@@ -96,13 +98,18 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
             kinds.append((key, name, kind, *verify_steadily(kind, settings, progress=progress)))
         except AutopartError as exc:
             kinds.append((key, name, None, exc, ()))
-    again, again_launches = verify_steadily(plan, settings, progress=progress)
-    report = pooled_report((first, again))
+    runs = [(first, launches), verify_steadily(plan, settings, progress=progress)]
+    if not agree(*(run.measured_step_ms for run, _ in runs), LAUNCH_SPREAD):
+        runs.append(verify_steadily(plan, settings, progress=progress))
+    pooled = _closest_two(runs)
+    report = pooled_report(tuple(run for run, _ in pooled))
     what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
-            f"local ranks, twice")
+            f"local ranks, {'twice' if len(runs) == 2 else 'three times'}")
     calibrated = calibrate_profile(profile, report, plan, source=f"rehearsal: {what}")
     record = dict(calibrated.calibration, launches_ms=_rounded(launches),
-                  again_launches_ms=_rounded(again_launches))
+                  again_launches_ms=_rounded(runs[1][1]))
+    if len(runs) == 3:
+        record["third_launches_ms"] = _rounded(runs[2][1])
     factors = ", ".join(f"stage {f['stage']} F x{f['fwd']:.2f} B x{f['bwd_input']:.2f}"
                         for f in record["factors"])
     post = record.get("post")
@@ -131,14 +138,25 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
+    measured = ", then ".join(f"{run.measured_step_ms:.1f} ms{_of_launches(run_launches)}"
+                              for run, run_launches in runs)
+    which = ("their geometric mean" if len(runs) == 2 else
+             "the geometric mean of the two that agree best")
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
-               f"{first.measured_step_ms:.1f} ms{_of_launches(launches)}, then "
-               f"{again.measured_step_ms:.1f} ms{_of_launches(again_launches)}; folded in "
-               f"(their geometric mean): "
-               f"{factors}{counted}{posts}{latency}"
+               f"{measured}; folded in ({which}): {factors}{counted}{posts}{latency}"
                f"{''.join(priced)}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
                      summary=summary)
+
+
+def _closest_two(runs: list[tuple[RunReport, tuple[float, ...]]]
+                 ) -> list[tuple[RunReport, tuple[float, ...]]]:
+    """The two runs (of two or three) whose steps lie closest together (by ratio)."""
+    if len(runs) <= 2:
+        return runs
+    ordered = sorted(runs, key=lambda run: run[0].measured_step_ms)
+    low, mid, high = (run.measured_step_ms for run, _ in ordered)
+    return ordered[:2] if mid / low <= high / mid else ordered[1:]
 
 
 def _rounded(launches: tuple[float, ...]) -> list[float]:

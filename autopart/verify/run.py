@@ -7,10 +7,10 @@ CPU, nccl with one GPU per rank when CUDA is present); under torchrun
 on rank 0 only. Every collective has a timeout. Checks that can fail (plan file,
 world size, model fingerprint) run before any process starts.
 
-``verify_steadily`` measures a run the way the profiler measures a block it reuses: two
-launches, a third where their steps disagree by more than ``LAUNCH_SPREAD``, the median
-kept. On a host whose cores slow in spells one launch's step can be 20-40% off the next
-one's (``docs/timing-sweep.md``); the rehearsal and the validation sweep use it.
+``verify_steadily`` measures a run in two launches, pooled where their steps agree within
+``LAUNCH_SPREAD``, else a third and the median kept. On a host whose cores slow in spells
+one launch's step can be 20-40% off the next one's (``docs/timing-sweep.md``); the
+rehearsal and the validation sweep use it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError, RuntimeSetupError
-from autopart.profile.noise import recheck
+from autopart.profile.noise import agree
 from autopart.profile.profiler import ProgressFn
 from autopart.schema import Plan
 from autopart.verify.build import build_report
-from autopart.verify.report import RunReport
+from autopart.verify.report import RunReport, pooled_report
 from autopart.verify.worker import RunSettings, run_rank
 
 __all__ = ["LAUNCH_SPREAD", "verify_plan", "verify_steadily"]
@@ -81,9 +81,10 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
 
 def verify_steadily(plan: Plan, settings: RunSettings, *, progress: ProgressFn | None = None
                     ) -> tuple[RunReport, tuple[float, ...]]:
-    """Run ``plan`` in two launches, a third where their steps differ by more than
-    ``LAUNCH_SPREAD``, and keep the launch whose step is the median (the first of two that
-    agree), so that one launch on a host's slow spell does not decide.
+    """Run ``plan`` in two launches and pool them where their steps agree within
+    ``LAUNCH_SPREAD`` (``pooled_report``: the geometric mean of their steps and stage
+    times); where they disagree, a third launch decides and the median launch is kept, so
+    that one launch on a host's slow spell does not decide.
 
     Args:
         plan: The plan.
@@ -91,7 +92,8 @@ def verify_steadily(plan: Plan, settings: RunSettings, *, progress: ProgressFn |
         progress: As for ``verify_plan``; it counts each launch from the start.
 
     Returns:
-        The kept launch's ``RunReport`` and every launch's measured step, in launch order.
+        The pooled (or median) ``RunReport`` and every launch's measured step, in launch
+        order.
 
     Raises:
         AutopartError: As ``verify_plan`` does; under a launcher (``WORLD_SIZE`` set),
@@ -100,19 +102,21 @@ def verify_steadily(plan: Plan, settings: RunSettings, *, progress: ProgressFn |
     if "WORLD_SIZE" in os.environ:
         raise RuntimeSetupError("verify_steadily launches its own ranks; under torchrun "
                                 "run verify_plan once per launch")
-    steps: list[float] = []
 
     def launch() -> RunReport:
         report = verify_plan(plan, settings, progress=progress)
         assert report is not None  # spawned: this process gathers every rank
-        steps.append(report.measured_step_ms)
         return report
 
-    kept, disagreed = recheck(launch(), launch, lambda r: r.measured_step_ms, LAUNCH_SPREAD)
-    if disagreed:
-        logger.info("two launches' steps disagreed (%s ms); kept the median of three",
-                    ", ".join(f"{s:.1f}" for s in steps[:2]))
-    return kept, tuple(steps)
+    runs = [launch(), launch()]
+    steps = [r.measured_step_ms for r in runs]
+    if agree(*steps, LAUNCH_SPREAD):
+        return pooled_report(tuple(runs)), tuple(steps)
+    logger.info("two launches' steps disagreed (%s ms); kept the median of three",
+                ", ".join(f"{s:.1f}" for s in steps))
+    runs.append(launch())
+    steps.append(runs[-1].measured_step_ms)
+    return sorted(runs, key=lambda r: r.measured_step_ms)[1], tuple(steps)
 
 
 def _check_model_matches(plan: Plan, model: str) -> None:
