@@ -4,7 +4,8 @@
 place under torchrun), trains a few steps on synthetic tokens, times every F/B/W
 and p2p wait, measures per-rank peak memory and returns a ``RunReport``;
 ``verify_steadily`` pools two launches that agree (else keeps the median of three)
-where one would do on a quiet machine; ``calibrate_profile`` folds the measured stage times back into the profile;
+where one would do on a quiet machine; ``calibrate_profile`` folds the measured stage
+times back into the profile;
 ``write_comparison_trace`` puts the measured and simulated steps in one trace;
 ``check_machine`` measures the pipeline runtime's own cost once per machine;
 ``rehearse`` folds a short run of the model's even split into a CPU profile.
