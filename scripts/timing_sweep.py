@@ -389,7 +389,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--one-launch", action="store_true", help="measure each run in one "
-                        "launch (default: two, a third on disagreement, the median kept)")
+                        "launch (default: two, pooled where they agree within 10%%, else a "
+                        "third and the median kept)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--loop", action="store_true", help="verify -> calibrate -> replan "
                         "-> verify the 1F1B plan of each shape")
