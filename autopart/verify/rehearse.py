@@ -141,7 +141,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     measured = ", then ".join(f"{run.measured_step_ms:.1f} ms{_of_launches(run_launches)}"
                               for run, run_launches in runs)
     which = ("their geometric mean" if len(runs) == 2 else
-             "the geometric mean of the two that agree best")
+             "the two that agree best, their geometric mean")
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
                f"{measured}; folded in ({which}): {factors}{counted}{posts}{latency}"
                f"{''.join(priced)}")
