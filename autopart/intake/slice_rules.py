@@ -10,7 +10,8 @@ the units ``[i * U // k, (i + 1) * U // k)``. A stage ending inside ``P`` sends 
 the values crossing beside it (the residual) and the sum of its slices' outputs so
 far; the next stage adds its slices and the model's code goes on exactly as in the
 unpipelined model. Every rank with a slice holds ``P`` whole and the ranks sum its
-gradient (each slice writes only its rows and columns).
+gradient (each slice adds only its rows' and columns' gradient,
+``autopart.runtime.held_grads``).
 
 ``slice_rule`` decides from the module's structure which parameters are cut along
 which dimension (nothing names a family): an MLP is ``nn.Linear`` children from the
@@ -25,6 +26,7 @@ offers the slices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,15 +98,24 @@ def slice_rule(module: nn.Module) -> tuple[SliceRule | None, str]:
 
 
 def partial_forward(module: nn.Module, rule: SliceRule, lo: int, hi: int, args: tuple,
-                    kwargs: dict) -> Any:
+                    kwargs: dict, rows: Callable[..., Any] | None = None,
+                    cols: Callable[..., Any] | None = None) -> Any:
     """``module``'s output computed from units ``[lo, hi)`` only: its own forward on slices
-    of its parameters (views, so gradients reach the whole parameters' rows)."""
+    of its parameters.
+
+    ``rows(param, first, end)`` and ``cols(param, first, end)`` take the slices; by default
+    plain views, whose gradients reach the whole parameters (a full-size gradient per
+    backward). The runtime passes ones that add only the slice's gradient
+    (``autopart.runtime.held_grads``).
+    """
     import torch
     from torch.func import functional_call
 
+    rows = rows or (lambda p, a, b: p[a:b])
+    cols = cols or (lambda p, a, b: p[:, a:b])
     params = dict(module.named_parameters())
-    sub = {name: params[name][lo * per:hi * per] for name, per in rule.rows}
-    sub.update({name: params[name][:, lo * per:hi * per] for name, per in rule.cols})
+    sub = {name: rows(params[name], lo * per, hi * per) for name, per in rule.rows}
+    sub.update({name: cols(params[name], lo * per, hi * per) for name, per in rule.cols})
     if hi < rule.units:
         sub.update({name: torch.zeros_like(params[name]) for name in rule.last_only})
     return functional_call(module, sub, args, kwargs, strict=False)

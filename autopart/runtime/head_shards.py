@@ -19,12 +19,10 @@ at the target row, in one buffer, as cross entropy's own backward does.
 
 Every rank with a shard holds the head's whole weight (so checkpoints keep the
 original FQNs and a tied embedding stays one parameter) and takes its rows with
-``_Rows``: a view in the forward, and in the backward the rows' gradient as a sparse
-tensor (row indices + the slice's values, no copy) that autograd adds into the
-weight's dense ``.grad`` in place. Indexing (``weight[lo:hi]``) would instead write a
-full-size gradient (zeros outside the rows) and add all of it, on every backward of
-every microbatch. ``head_rows`` creates the dense gradient (zeros) the first time a
-step needs it, when ``.grad`` is ``None``; the weight's gradient is summed over the ranks
+``autopart.runtime.held_grads.rows_of``: a view in the forward, and in the backward
+the rows' gradient as a sparse tensor that autograd adds into the weight's dense
+``.grad`` in place (indexing would add a full-size gradient on every backward of every
+microbatch); the weight's gradient is summed over the ranks
 holding it after the step (``autopart.runtime.pipeline``).
 
 Under tensor parallelism the head is split by vocabulary over the tp group instead, and
@@ -39,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopart.intake.hf import IGNORE_INDEX
+from autopart.runtime.held_grads import rows_of
 
 __all__ = []
 
@@ -73,47 +72,6 @@ class _SliceLoss(torch.autograd.Function):
         return grad, None, None
 
 
-class _Rows(torch.autograd.Function):
-    """``weight[lo:hi]`` whose backward hands autograd only the rows' gradient (sparse)."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        ctx.weight = weight
-        ctx.rows = (lo, hi)
-        return weight[lo:hi]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight = ctx.weight
-        lo, hi = ctx.rows
-        index = torch.arange(lo, hi, device=grad.device).unsqueeze(0)
-        rows = torch.sparse_coo_tensor(index, grad, weight.shape, is_coalesced=True,
-                                       check_invariants=False)
-        return rows, None, None
-
-
-def head_rows(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Rows ``[lo, hi)`` of ``weight`` whose backward adds only those rows into ``.grad``.
-
-    Args:
-        weight: A leaf parameter (the head's weight or bias), held whole.
-        lo: First row.
-        hi: End row (exclusive).
-
-    Returns:
-        The view ``weight[lo:hi]``, whose gradient is the rows' only (a sparse tensor);
-        ``weight.grad`` is created here, dense zeros, when it is ``None``, so that autograd
-        adds the rows into it in place. A weight that is not a plain leaf requiring a
-        gradient (frozen, a ``DTensor``) is indexed as usual.
-    """
-    plain = type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_leaf
-    if not (plain and weight.requires_grad and torch.is_grad_enabled()):
-        return weight[lo:hi]
-    if weight.grad is None:  # once per step: the dense buffer the rows are added into
-        weight.grad = torch.zeros_like(weight)
-    return _Rows.apply(weight, lo, hi)
-
-
 def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows: tuple[int, int], aligned: torch.Tensor,
                 carry: HeadCarry | None = None) -> HeadCarry:
@@ -134,9 +92,9 @@ def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         The carry after this slice.
     """
     lo, hi = rows
-    part_bias = head_rows(bias, lo, hi) if bias is not None else None
+    part_bias = rows_of(bias, lo, hi) if bias is not None else None
     used = hidden[..., :aligned.shape[-1], :]
-    return fold_carries(carry, slice_carry(F.linear(used, head_rows(weight, lo, hi), part_bias),
+    return fold_carries(carry, slice_carry(F.linear(used, rows_of(weight, lo, hi), part_bias),
                                            rows, aligned))
 
 

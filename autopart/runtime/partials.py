@@ -30,6 +30,7 @@ from autopart.intake.slice_rules import (
     slice_rule,
     unit_range,
 )
+from autopart.runtime.held_grads import cols_of, rows_of
 from autopart.schema import Part
 
 __all__ = []
@@ -99,9 +100,12 @@ def _unrouted(module: nn.Module, original: Callable[..., Any]) -> Iterator[None]
 
 def run_partial(part: Partial, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``P``'s output from this stage's units only (``slice_rules.partial_forward``), run
-    through ``P``'s own forward ``original``. Deterministic, so a checkpoint replays it."""
+    through ``P``'s own forward ``original``; its backward adds only the units' gradient
+    into the parameters' ``.grad`` (``held_grads``). Deterministic, so a checkpoint
+    replays it."""
     with _unrouted(part.module, original):
-        return partial_forward(part.module, part.rule, part.lo, part.hi, args, kwargs)
+        return partial_forward(part.module, part.rule, part.lo, part.hi, args, kwargs,
+                               rows=rows_of, cols=cols_of)
 
 
 def plus_partial(received: torch.Tensor, output: Any) -> Any:
