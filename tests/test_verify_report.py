@@ -507,6 +507,38 @@ def test_calibration_with_the_plan_predicts_the_step_that_ran(profile, schedule,
                                                    abs=1e-3)
 
 
+@pytest.mark.parametrize("slower", [0.5, 1.3])
+def test_gpipe_posts_the_step_cannot_price_take_the_runs_outside_time(profile, slower):
+    """Where free posts predict above the GPipe run's step, the fit cannot price them
+    (it said free): given the run's own price per post, that is the price, the record
+    says so and the plan predicts with it; where the step does price them, it is the
+    fitted one as before."""
+    from autopart.schema import RuntimeOverhead
+    from autopart.verify.calibrate import fit_post_price
+
+    check = RuntimeOverhead(fwd_action_ms=0.05, bwd_action_ms=0.07, p2p_ms=0.06, step_ms=0.2,
+                            link_latency_ms=0.5, link_bandwidth_bytes_per_s=50e9,
+                            backend="gloo", num_threads=1, runtime_p2p_ms=0.3,
+                            gpipe_p2p_ms=0.4)
+    checked = dataclasses.replace(profile, runtime_overhead=check)
+    planned = make_plan(checked, pp_size=2, num_microbatches=4, schedule="gpipe")
+    step = slower * planned.predicted_step_ms
+    free, fit = fit_post_price(planned, step, check, others=False)
+    priced, record = fit_post_price(planned, step, check, others=False, outside_ms=0.75)
+    if slower < 1:
+        assert free.gpipe_p2p_ms == 1e-4 and "from_outside" not in fit
+        assert priced.gpipe_p2p_ms == 0.75 and record["from_outside"] is True
+        assert record["after_ms"] == 0.75
+        again = make_plan(dataclasses.replace(checked, runtime_overhead=priced), pp_size=2,
+                          num_microbatches=4, schedule="gpipe",
+                          cuts=tuple(planned.pipeline_cuts))
+        assert again.predicted_step_ms == pytest.approx(record["predicted_step_ms"], rel=1e-3)
+        assert again.predicted_step_ms > planned.predicted_step_ms
+    else:
+        assert (priced, record) == (free, fit) and free.gpipe_p2p_ms > 0.4
+    assert (priced.p2p_ms, priced.runtime_p2p_ms) == (check.p2p_ms, check.runtime_p2p_ms)
+
+
 def test_outside_is_the_step_less_actions_and_waits(report):
     for rank in report.ranks:
         assert rank.measured_outside_ms == pytest.approx(

@@ -151,8 +151,8 @@ def fit_count_pass(plan: Plan, costs: Sequence[StageCost], overhead: RuntimeOver
 
 
 def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhead,
-                   costs: Sequence[StageCost] | None = None, *, others: bool = True
-                   ) -> tuple[RuntimeOverhead, dict[str, Any]]:
+                   costs: Sequence[StageCost] | None = None, *, others: bool = True,
+                   outside_ms: float | None = None) -> tuple[RuntimeOverhead, dict[str, Any]]:
     """Price a post of ``plan``'s kind of schedule so that the plan predicts a run's step.
 
     The price (``post_field``: 1F1B's ``p2p_ms``, GPipe's ``gpipe_p2p_ms``, the action
@@ -162,7 +162,12 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
     link's one-way latency (the machine check's ping-pong, which a pipeline's transfers
     overlap) is lowered to the one that predicts the run, down to 0. With ``others``, the
     other kinds' prices move by as much as the fitted one (GPipe's price is its own:
-    nothing else moves).
+    nothing else moves). Where free posts predict a longer step than the run's and
+    ``outside_ms`` is given (the run's own price per post, ``measured_post_ms``), the step
+    says nothing about the posts, and they are priced at ``outside_ms`` instead of free:
+    GPipe's blocks can run faster than 1F1B's rehearsed prices (a tiny Cohere's and
+    Nemotron's even GPipe runs), which hides what its posts cost on that split and not on
+    a balanced one.
 
     Args:
         plan: The plan that ran.
@@ -170,13 +175,15 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
         overhead: The prices the plan was made with (the profile's machine check).
         costs: The plan's stages as calibrated (``calibrate_profile``).
         others: Move the other kind's price and fit the latency too.
+        outside_ms: The price where the step cannot fit one (above), or ``None``: free.
 
     Returns:
         The overhead with the fitted prices, and the record ``Profile.calibration`` keeps
         (``field``, ``before_ms``, ``after_ms``, the run's step ``run_step_ms``, the step
         ``plan`` predicts at the fitted prices ``predicted_step_ms`` (above the run's
-        where free posts and latency could not reach it), ``other_prices`` and, where it
-        moved, ``link_latency_ms`` before and after).
+        where free posts and latency could not reach it), ``other_prices``, where it
+        moved, ``link_latency_ms`` before and after, and ``from_outside`` where the
+        price is ``outside_ms``).
     """
     from autopart.simulate import simulate_plan
 
@@ -205,9 +212,12 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
                     max(4 * before, 1.0))
     if price is None:  # no post on the path (one stage), or a run far slower than any price
         price = before
+    from_outside = price == lowest and outside_ms is not None and outside_ms > lowest
+    if from_outside:
+        price = outside_ms
     moved = {field: price}
     latency = overhead.link_latency_ms
-    others = others and not gpipe
+    others = others and not gpipe and not from_outside
     if others and own_latency and price == 0.0:
         latency = _bisect(lambda v: step(**{field: 0.0, "link_latency_ms": v}),
                           measured_step_ms, 0.0, latency) or 0.0
@@ -223,6 +233,8 @@ def fit_post_price(plan: Plan, measured_step_ms: float, overhead: RuntimeOverhea
         "predicted_step_ms": round(step(**moved), 3), "other_prices": {
             key: [getattr(overhead, key), value] for key, value in moved.items()
             if key not in (field, "link_latency_ms")}}
+    if from_outside:
+        record["from_outside"] = True
     if latency != overhead.link_latency_ms:
         record["link_latency_ms"] = [overhead.link_latency_ms, moved["link_latency_ms"]]
     return dataclasses.replace(overhead, **moved), record

@@ -15,7 +15,10 @@ more, and the machine check's difference between the two kinds does not hold on 
 model. A third, the even split under GPipe at ``4 x pp`` microbatches (the planner's
 default count), prices GPipe's posts (``RuntimeOverhead.gpipe_p2p_ms``): GPipe waits its
 forward sends after every forward and its backward sends when the step ends, and its
-posts cost several times 1F1B's. Each run is measured as ``verify_steadily`` does (two
+posts cost several times 1F1B's; where even free posts predict above that run (GPipe's
+blocks ran faster than 1F1B's prices on a tiny Cohere and Nemotron), the step cannot
+price them and the run's own time outside its actions per post does
+(``calibrate.measured_post_ms``). Each run is measured as ``verify_steadily`` does (two
 launches pooled where they agree, else a third and the median kept): one launch on a
 host's slow spell would otherwise set every plan's post price. The 1F1B split runs once
 more last, and what is folded in is the two 1F1B runs' geometric mean
@@ -35,7 +38,7 @@ import dataclasses
 
 from autopart.profile.noise import agree
 from autopart.schema import Profile
-from autopart.verify.calibrate import calibrate_profile, fit_post_price
+from autopart.verify.calibrate import calibrate_profile, fit_post_price, measured_post_ms
 from autopart.verify.report import RunReport, pooled_report
 from autopart.verify.run import LAUNCH_SPREAD, ProgressFn, verify_steadily
 from autopart.verify.worker import RunSettings
@@ -128,13 +131,18 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
             continue
         # the same even cuts, predicted from the rehearsed blocks
         kind = plan_again(calibrated, kind)
+        outside = (measured_post_ms(run, calibrated.runtime_overhead)
+                   if key == "gpipe_post" else None)
         overhead, fitted = fit_post_price(kind, run.measured_step_ms,
-                                          calibrated.runtime_overhead, others=False)
+                                          calibrated.runtime_overhead, others=False,
+                                          outside_ms=outside)
         record[key] = dict(fitted, launches_ms=_rounded(kind_launches))
         calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
+        why = (" (its ranks' time outside actions: free posts predict above its step)"
+               if fitted.get("from_outside") else "")
         priced.append(f"; {name} measured {run.measured_step_ms:.1f} ms"
                       f"{_of_launches(kind_launches)}: {fitted['before_ms']:.3f} -> "
-                      f"{fitted['after_ms']:.3f} ms per post")
+                      f"{fitted['after_ms']:.3f} ms per post{why}")
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
