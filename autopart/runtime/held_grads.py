@@ -76,10 +76,16 @@ class _Cols(torch.autograd.Function):
         return empty, None, None
 
 
-def _plain(weight: torch.Tensor) -> bool:
-    """A leaf parameter that takes a gradient here (not frozen, not a ``DTensor``)."""
-    return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_leaf
-            and weight.requires_grad and torch.is_grad_enabled())
+def _held(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a leaf parameter that takes a gradient here (not frozen, not a
+    ``DTensor``, grad enabled); if so, its dense ``.grad`` is created (zeros) where it is
+    ``None``, once per step, for the part to be added into."""
+    if not (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_leaf
+            and weight.requires_grad and torch.is_grad_enabled()):
+        return False
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return True
 
 
 def rows_of(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -96,11 +102,7 @@ def rows_of(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         adds the rows into it in place. A weight that is not a plain leaf requiring a
         gradient is indexed as usual.
     """
-    if not _plain(weight):
-        return weight[lo:hi]
-    if weight.grad is None:  # once per step: the dense buffer the rows are added into
-        weight.grad = torch.zeros_like(weight)
-    return _Rows.apply(weight, lo, hi)
+    return _Rows.apply(weight, lo, hi) if _held(weight) else weight[lo:hi]
 
 
 def cols_of(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -117,8 +119,4 @@ def cols_of(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         ``None``. A weight that is not a plain leaf requiring a gradient is indexed as
         usual.
     """
-    if not _plain(weight):
-        return weight[:, lo:hi]
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    return _Cols.apply(weight, lo, hi)
+    return _Cols.apply(weight, lo, hi) if _held(weight) else weight[:, lo:hi]
