@@ -11,8 +11,9 @@ from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 51
    plan (``optimal``) and as the even split;
 3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code), in two
    launches, pooled where their steps agree within 10%, else a third and the median kept
-   (``verify_steadily``, as the rehearsal measures; ``--one-launch``: one launch, as the
-   sweeps before r9 did).
+   (as the rehearsal measures), the plan's and the even split's launches taken in turn
+   (``verify_in_turn``; since r20, before it one plan's launches, then the other's);
+   ``--one-launch``: one launch each, as the sweeps before r9 did.
 
 It prints, and writes as markdown (``--out``), every run's predicted and measured step,
 and the distribution (median, 90th percentile, worst) of the step error, the per-stage
@@ -63,8 +64,8 @@ from autopart.verify import (
     load_cached_overhead,
     rehearse,
     save_cached_overhead,
+    verify_in_turn,
     verify_plan,
-    verify_steadily,
 )
 
 
@@ -390,7 +391,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--one-launch", action="store_true", help="measure each run in one "
                         "launch (default: two, pooled where they agree within 10%%, else a "
-                        "third and the median kept)")
+                        "third and the median kept; the plan's and the even split's in turn)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--loop", action="store_true", help="verify -> calibrate -> replan "
                         "-> verify the 1F1B plan of each shape")
@@ -425,12 +426,14 @@ def main() -> None:
                       f"{time.perf_counter() - began:.0f} s, load {os.getloadavg()[0]:.2f}",
                       flush=True)
             for schedule, v in schedules:
-                for partition in ("optimal", "even"):
-                    plan = make_plan(profiles[names[0]], pp_size=2,
-                                     num_microbatches=args.microbatches, schedule=schedule,
-                                     virtual_stages=v, partition=partition)
-                    probes.append(machine_probe())
-                    report, launches = measure(plan, settings_of[shape.name], args)
+                plans = {partition: make_plan(profiles[names[0]], pp_size=2,
+                                              num_microbatches=args.microbatches,
+                                              schedule=schedule, virtual_stages=v,
+                                              partition=partition)
+                         for partition in ("optimal", "even")}
+                probes.append(machine_probe())
+                measured = measure(list(plans.values()), settings_of[shape.name], args)
+                for (partition, plan), (report, launches) in zip(plans.items(), measured):
                     run = Run(shape.name, schedule, partition, report, {names[0]: plan},
                               statistics.median(probes[-1]), launches)
                     for name in names[1:]:
@@ -471,7 +474,8 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
             f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps, "
-            f"{'one launch' if args.one_launch else 'median of two or three launches'}; "
+            f"{'one launch' if args.one_launch else 'median of two or three launches'}"
+            f", the plan's and the even split's in turn; "
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "
             f"({os.cpu_count()} cores); {probe_line(probes)}"
@@ -524,14 +528,15 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
 
 
 
-def measure(plan: Plan, settings: RunSettings, args: argparse.Namespace
-            ) -> tuple[RunReport, tuple[float, ...]]:
-    """``plan``'s run and every launch's step: ``verify_steadily``, or one launch with
-    ``--one-launch``."""
+def measure(plans: list[Plan], settings: RunSettings, args: argparse.Namespace
+            ) -> list[tuple[RunReport, tuple[float, ...]]]:
+    """Each plan's run and every launch's step: ``verify_in_turn`` (the plan and the even
+    split launched alternately, so a slow spell of the host falls on both and their ratio,
+    the speed-up, does not carry it), or one launch each in turn with ``--one-launch``."""
     if args.one_launch:
-        report = verify_plan(plan, settings)
-        return report, (report.measured_step_ms,)
-    return verify_steadily(plan, settings)
+        reports = [verify_plan(plan, settings) for plan in plans]
+        return [(report, (report.measured_step_ms,)) for report in reports]
+    return verify_in_turn(plans, settings)
 
 
 def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.Namespace,
@@ -547,7 +552,7 @@ def close_loop(shape: Shape, profile: Profile, runs: list[Run], args: argparse.N
     again = make_plan(calibrated, pp_size=2, num_microbatches=args.microbatches,
                       schedule="1f1b", virtual_stages=1)
     probe = statistics.median(machine_probe())
-    report, launches = measure(again, settings, args)
+    [(report, launches)] = measure([again], settings, args)
     same = list(again.pipeline_cuts) == list(plan.pipeline_cuts)
     return [shape.name, f"{100 * first.report.step_error:+.1f}%",
             f"{again.predicted_step_ms:.1f}", f"{report.measured_step_ms:.1f}",

@@ -18,7 +18,7 @@ from autopart.errors import AutopartError
 from autopart.profile import profile_model
 from autopart.schema import Plan, Profile
 from autopart.solve import make_plan
-from autopart.verify import RunReport, verify_plan, verify_steadily
+from autopart.verify import RunReport, verify_in_turn, verify_plan, verify_steadily
 from autopart.verify import run as verify_run
 from autopart.verify.attribution import error_drivers
 from autopart.verify.instrument import BlockTimer, block_module_name
@@ -122,6 +122,28 @@ def test_a_steady_run_pools_two_launches_that_agree(files, monkeypatch, steps, k
     report, launches = verify_steadily(plan, None)
     assert launches == steps and report.measured_step_ms == pytest.approx(kept)
     assert len(pooled) == (len(steps) == 2)
+
+
+def test_plans_measured_in_turn_take_their_launches_alternately(files, monkeypatch):
+    """A, B, A, B, then a third launch of each plan whose two disagreed (B here), so a
+    slow spell of the host falls on both plans alike."""
+    plan = Plan.load(files["plan"])
+    other = dataclasses.replace(plan, num_microbatches=plan.num_microbatches * 2)
+    steps = {id(plan): iter((100.0, 104.0)), id(other): iter((50.0, 70.0, 60.0))}
+    order = []
+
+    def launch(p, *a, **k):
+        order.append("A" if p is plan else "B")
+        return SimpleNamespace(measured_step_ms=next(steps[id(p)]))
+
+    monkeypatch.setattr(verify_run, "verify_plan", launch)
+    monkeypatch.setattr(verify_run, "pooled_report", lambda reports: SimpleNamespace(
+        measured_step_ms=statistics.geometric_mean(r.measured_step_ms for r in reports)))
+    (first, first_steps), (second, second_steps) = verify_in_turn([plan, other], None)
+    assert order == ["A", "B", "A", "B", "B"]
+    assert first_steps == (100.0, 104.0) and second_steps == (50.0, 70.0, 60.0)
+    assert first.measured_step_ms == pytest.approx((100.0 * 104.0) ** 0.5)
+    assert second.measured_step_ms == 60.0
 
 
 def test_a_steady_run_is_refused_under_a_launcher(files, monkeypatch):

@@ -10,7 +10,8 @@ world size, model fingerprint) run before any process starts.
 ``verify_steadily`` measures a run in two launches, pooled where their steps agree within
 ``LAUNCH_SPREAD``, else a third and the median kept. On a host whose cores slow in spells
 one launch's step can be 20-40% off the next one's (``docs/timing-sweep.md``); the
-rehearsal and the validation sweep use it.
+rehearsal uses it. ``verify_in_turn`` measures several plans so, their launches taken in
+turn: the validation sweep compares a plan with the even split that way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from autopart.verify.build import build_report
 from autopart.verify.report import RunReport, pooled_report
 from autopart.verify.worker import RunSettings, run_rank
 
-__all__ = ["LAUNCH_SPREAD", "verify_plan", "verify_steadily"]
+__all__ = ["LAUNCH_SPREAD", "verify_in_turn", "verify_plan", "verify_steadily"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,24 +100,49 @@ def verify_steadily(plan: Plan, settings: RunSettings, *, progress: ProgressFn |
         AutopartError: As ``verify_plan`` does; under a launcher (``WORLD_SIZE`` set),
             where the ranks are not this function's to launch again.
     """
-    if "WORLD_SIZE" in os.environ:
-        raise RuntimeSetupError("verify_steadily launches its own ranks; under torchrun "
-                                "run verify_plan once per launch")
+    return verify_in_turn([plan], settings, progress=progress)[0]
 
-    def launch() -> RunReport:
+
+def verify_in_turn(plans: list[Plan], settings: RunSettings, *,
+                   progress: ProgressFn | None = None
+                   ) -> list[tuple[RunReport, tuple[float, ...]]]:
+    """Measure several plans of one model as ``verify_steadily`` measures one, their
+    launches taken in turn (A, B, A, B, then a third of each plan whose two disagreed), so
+    that a slow spell of the host, which lasts minutes, falls on every plan alike and a
+    ratio of their steps (a plan's speed-up over the even split) does not carry it.
+
+    Args:
+        plans: The plans, each for ``settings.model``.
+        settings: As for ``verify_plan``.
+        progress: As for ``verify_plan``; it counts each launch from the start.
+
+    Returns:
+        Per plan, in order, what ``verify_steadily`` returns for it.
+
+    Raises:
+        AutopartError: As ``verify_steadily`` does.
+    """
+    if "WORLD_SIZE" in os.environ:
+        raise RuntimeSetupError("verify_steadily and verify_in_turn launch their own "
+                                "ranks; under torchrun run verify_plan once per launch")
+
+    def launch(plan: Plan) -> RunReport:
         report = verify_plan(plan, settings, progress=progress)
         assert report is not None  # spawned: this process gathers every rank
         return report
 
-    runs = [launch(), launch()]
-    steps = [r.measured_step_ms for r in runs]
-    if agree(*steps, LAUNCH_SPREAD):
-        return pooled_report(tuple(runs)), tuple(steps)
-    logger.info("two launches' steps disagreed (%s ms); kept the median of three",
-                ", ".join(f"{s:.1f}" for s in steps))
-    runs.append(launch())
-    steps.append(runs[-1].measured_step_ms)
-    return sorted(runs, key=lambda r: r.measured_step_ms)[1], tuple(steps)
+    runs: list[list[RunReport]] = [[] for _ in plans]
+    for _ in range(2):
+        for plan, launches in zip(plans, runs):
+            launches.append(launch(plan))
+    for plan, launches in zip(plans, runs):
+        if not agree(*(r.measured_step_ms for r in launches), LAUNCH_SPREAD):
+            logger.info("two launches' steps disagreed (%s ms); kept the median of three",
+                        ", ".join(f"{r.measured_step_ms:.1f}" for r in launches))
+            launches.append(launch(plan))
+    return [(pooled_report(tuple(launches)) if len(launches) == 2 else
+             sorted(launches, key=lambda r: r.measured_step_ms)[1],
+             tuple(r.measured_step_ms for r in launches)) for launches in runs]
 
 
 def _check_model_matches(plan: Plan, model: str) -> None:
