@@ -110,7 +110,7 @@ def test_every_split_sums_to_the_module_with_its_gradients(model_type):
 @pytest.mark.parametrize(("model_type", "half", "why"), [
     ("olmo2", "self_attn", "neither projections nor per-head norms"),
     ("phi3", "self_attn", "do not all read the hidden size"),
-    ("phi3", "mlp", "no per-head layout"),
+    ("phi3", "mlp", "a fused gate and up projection"),
 ])
 def test_halves_that_do_not_split_are_refused_by_the_rule(model_type, half, why):
     module = _calls(model_type)[half][0]

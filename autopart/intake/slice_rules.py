@@ -79,6 +79,10 @@ def slice_rule(module: nn.Module) -> tuple[SliceRule | None, str]:
     if head_dim is None and all(c.out_features == units_dim for _, c in inputs) and not others:
         rows = tuple((f"{n}.{p}", 1) for n, c in inputs for p, _ in c.named_parameters())
         return SliceRule("mlp", units_dim, rows, ((f"{out_name}.weight", 1),), last_only), ""
+    if head_dim is None:
+        return None, (f"{type(module).__name__}'s input projections do not each give one "
+                      f"column per input of {out_name} (a fused gate and up projection, "
+                      f"say), and it has no head_dim to split by heads")
     if not isinstance(head_dim, int) or head_dim <= 0 or units_dim % head_dim:
         return None, f"{type(module).__name__} has no per-head layout (head_dim) to split by"
     num_heads = units_dim // head_dim
