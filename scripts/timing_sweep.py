@@ -12,7 +12,7 @@ from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 51
 3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code), in two
    launches, pooled where their steps agree within 10%, else a third and the median kept
    (as the rehearsal measures), the plan's and the even split's launches taken in turn
-   (``verify_in_turn``; since r20, before it one plan's launches, then the other's);
+   (``verify_in_turn``; since r19, before it one plan's launches, then the other's);
    ``--one-launch``: one launch each, as the sweeps before r9 did.
 
 It prints, and writes as markdown (``--out``), every run's predicted and measured step,

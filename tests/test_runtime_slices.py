@@ -56,7 +56,8 @@ EVERY_SCHEDULE = {
 RECOMPUTED = {"1f1b": MLP_CUT, "interleaved-1f1b": INSIDE, "zbv": ACROSS}
 
 
-def _worker(rank: int, world_size: int, model_type: str, plans: dict, recompute: bool) -> dict:
+def _worker(rank: int, world_size: int, model_type: str, plans: dict, recompute: bool,
+            sliced: dict = SLICED) -> dict:
     config = tiny_config(model_type)
     reference = reference_run(config)
     chain = discover_blocks(build_hf_model(config), granularity="half")
@@ -67,7 +68,7 @@ def _worker(rank: int, world_size: int, model_type: str, plans: dict, recompute:
                                          for g in reference.grads.values()))}
     for key, counts in plans.items():
         schedule, _, variant = key.partition(":")
-        blocks = planned_blocks(chain, units=SLICED, vocab=2 if variant == "shards" else 0)
+        blocks = planned_blocks(chain, units=sliced, vocab=2 if variant == "shards" else 0)
         plan = make_stage_plan(chain, counts, schedule=schedule, pp_size=world_size,
                                num_microbatches=4, blocks=blocks)
         results[key] = exact_step(config, plan, reference, aliases, recompute, grad_norm=True)
@@ -103,6 +104,18 @@ def test_family_with_cuts_inside_halves(tmp_path, model_type):
     sliding windows included)."""
     plans = {"1f1b": MLP_CUT, "1f1b:attention": ATTENTION_CUT}
     check_slices(run_ranks(_worker, 2, tmp_path, model_type, plans, False), plans)
+
+
+@pytest.mark.timeout(240)
+def test_a_fused_gate_up_mlp_cut_inside_trains_exactly(tmp_path):
+    """Phi-3's MLP (one ``gate_up_proj``, chunked in its forward) cut into slices that each
+    take their rows from both blocks; its attention (a fused ``qkv_proj``) stays whole.
+    1F1B, and ZBV, whose split weight backward adds the two blocks' sparse rows."""
+    sliced = {"model.layers.0.mlp": 4, "model.layers.2.mlp": 2}
+    # names: 0 embedding, 1 L0 attention, 2-5 L0 MLP slices, 6 L1 attention, 7 L1 MLP,
+    # 8 L2 attention, 9-10 L2 MLP slices, 11 L3 attention, 12 L3 MLP, 13 norm, 14 head
+    plans = {"1f1b": [3, 12], "zbv": [3, 2, 5, 5]}
+    check_slices(run_ranks(_worker, 2, tmp_path, "phi3", plans, False, sliced), plans)
 
 
 def _planned_worker(rank: int, world_size: int, plan) -> dict:

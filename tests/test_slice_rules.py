@@ -73,44 +73,57 @@ def _calls(model_type: str):
     return seen
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma", "mistral"])
-def test_every_split_sums_to_the_module_with_its_gradients(model_type):
-    for name, (module, args, kwargs) in _calls(model_type).items():
-        rule, why = slice_rule(module)
-        assert rule is not None, why
-        assert rule.kind == ("attention" if name == "self_attn" else "mlp")
-        assert check_slices(module, rule, args, kwargs) == ""
-        x = args[0] if args else kwargs["hidden_states"]
-        weight = torch.linspace(-1, 1, x.numel()).view_as(x)
+@pytest.mark.parametrize(("model_type", "name"), [
+    *((m, h) for m in ("llama", "qwen2", "qwen3", "gemma", "mistral")
+      for h in ("self_attn", "mlp")),
+    ("phi3", "mlp"),  # a fused gate_up_proj: each slice takes its rows from both blocks
+])
+def test_every_split_sums_to_the_module_with_its_gradients(model_type, name):
+    module, args, kwargs = _calls(model_type)[name]
+    rule, why = slice_rule(module)
+    assert rule is not None, why
+    assert rule.kind == ("attention" if name == "self_attn" else "mlp")
+    if model_type == "phi3":
+        assert rule.blocks == (("gate_up_proj.weight", 2),)
+    assert check_slices(module, rule, args, kwargs) == ""
+    x = args[0] if args else kwargs["hidden_states"]
+    weight = torch.linspace(-1, 1, x.numel()).view_as(x)
 
-        def run(bounds, x=x, module=module, rule=rule, args=args, kwargs=kwargs,
-                weight=weight):
-            module.zero_grad()
-            inp = x.detach().clone().requires_grad_()
-            a, kw = ((inp, *args[1:]), kwargs) if args else ((), {**kwargs,
-                                                                  "hidden_states": inp})
-            out = None
-            for lo, hi in bounds:
-                part = partial_forward(module, rule, lo, hi, a, kw)
-                out = part if out is None else add_outputs(out, part)
-            out = main_output(out)
-            (out * weight).sum().backward()
-            return out.detach(), inp.grad, {n: p.grad.clone() for n, p in
-                                            module.named_parameters()}
+    def run(bounds):
+        module.zero_grad()
+        inp = x.detach().clone().requires_grad_()
+        a, kw = ((inp, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": inp})
+        out = None
+        for lo, hi in bounds:
+            part = partial_forward(module, rule, lo, hi, a, kw)
+            out = part if out is None else add_outputs(out, part)
+        out = main_output(out)
+        (out * weight).sum().backward()
+        return out.detach(), inp.grad, {n: p.grad.clone() for n, p in
+                                        module.named_parameters()}
 
-        whole = run([(0, rule.units)])
-        for cut in range(1, rule.units):
-            got = run([(0, cut), (cut, rule.units)])
-            assert (got[0] - whole[0]).abs().max() < TOL, (model_type, name, cut)
-            assert (got[1] - whole[1]).abs().max() < TOL
-            for key, grad in whole[2].items():
-                assert (got[2][key] - grad).abs().max() < TOL, (model_type, key, cut)
+    whole = run([(0, rule.units)])
+    for cut in range(1, rule.units):
+        got = run([(0, cut), (cut, rule.units)])
+        assert (got[0] - whole[0]).abs().max() < TOL, (model_type, name, cut)
+        assert (got[1] - whole[1]).abs().max() < TOL
+        for key, grad in whole[2].items():
+            assert (got[2][key] - grad).abs().max() < TOL, (model_type, key, cut)
+
+
+def test_a_fused_mlp_taken_as_one_block_fails_the_check():
+    """The check, not the rule, proves the blocks' layout: Phi-3's gate_up_proj cut as if
+    it were one block of columns gives another module."""
+    import dataclasses
+
+    module, args, kwargs = _calls("phi3")["mlp"]
+    rule, _ = slice_rule(module)
+    assert check_slices(module, dataclasses.replace(rule, blocks=()), args, kwargs) != ""
 
 
 @pytest.mark.parametrize(("model_type", "half", "why"), [
     ("olmo2", "self_attn", "neither projections nor per-head norms"),
     ("phi3", "self_attn", "do not all read the hidden size"),
-    ("phi3", "mlp", "a fused gate and up projection"),
 ])
 def test_halves_that_do_not_split_are_refused_by_the_rule(model_type, half, why):
     module = _calls(model_type)[half][0]

@@ -15,7 +15,8 @@ gradient (each slice adds only its rows' and columns' gradient,
 
 ``slice_rule`` decides from the module's structure which parameters are cut along
 which dimension (nothing names a family): an MLP is ``nn.Linear`` children from the
-hidden size to ``U`` and one output ``nn.Linear`` from ``U`` back (the last
+hidden size to ``U`` (or to a multiple of ``U``: a fused gate and up projection, cut in
+every block of ``U`` rows) and one output ``nn.Linear`` from ``U`` back (the last
 ``nn.Linear`` child defined); an attention adds per-head projections of ``D =
 P.head_dim`` rows per head (query heads ``U * rep``, key/value heads ``U``) and may
 hold per-head norms of size ``D``, which every slice uses whole. The output
@@ -55,6 +56,10 @@ class SliceRule:
     """Parameters cut along dim 1 (the output projection's weight), columns per unit."""
     last_only: tuple[str, ...] = ()
     """Parameters only the slice holding the last unit uses (the output bias)."""
+    blocks: tuple[tuple[str, int], ...] = ()
+    """Parameters of ``rows`` made of several stacked blocks of ``units`` rows each (a
+    fused gate and up projection: 2, chunked by the module's forward); a slice takes its
+    rows from every block. Not listed: one block."""
 
 
 def slice_rule(module: nn.Module) -> tuple[SliceRule | None, str]:
@@ -76,13 +81,17 @@ def slice_rule(module: nn.Module) -> tuple[SliceRule | None, str]:
     others = [(n, c) for n, c in kids if not isinstance(c, nn.Linear)]
     last_only = (f"{out_name}.bias",) if out.bias is not None else ()
     head_dim = getattr(module, "head_dim", None)
-    if head_dim is None and all(c.out_features == units_dim for _, c in inputs) and not others:
+    if head_dim is None and all(c.out_features % units_dim == 0 for _, c in inputs) \
+            and not others:
         rows = tuple((f"{n}.{p}", 1) for n, c in inputs for p, _ in c.named_parameters())
-        return SliceRule("mlp", units_dim, rows, ((f"{out_name}.weight", 1),), last_only), ""
+        blocks = tuple((f"{n}.{p}", c.out_features // units_dim) for n, c in inputs
+                       for p, _ in c.named_parameters() if c.out_features > units_dim)
+        return SliceRule("mlp", units_dim, rows, ((f"{out_name}.weight", 1),), last_only,
+                         blocks), ""
     if head_dim is None:
-        return None, (f"{type(module).__name__}'s input projections do not each give one "
-                      f"column per input of {out_name} (a fused gate and up projection, "
-                      f"say), and it has no head_dim to split by heads")
+        return None, (f"{type(module).__name__}'s input projections do not give whole "
+                      f"blocks of {out_name}'s {units_dim} inputs, and it has no head_dim "
+                      f"to split by heads")
     if not isinstance(head_dim, int) or head_dim <= 0 or units_dim % head_dim:
         return None, f"{type(module).__name__} has no per-head layout (head_dim) to split by"
     num_heads = units_dim // head_dim
@@ -118,7 +127,15 @@ def partial_forward(module: nn.Module, rule: SliceRule, lo: int, hi: int, args: 
     rows = rows or (lambda p, a, b: p[a:b])
     cols = cols or (lambda p, a, b: p[:, a:b])
     params = dict(module.named_parameters())
-    sub = {name: rows(params[name], lo * per, hi * per) for name, per in rule.rows}
+    stacked = dict(rule.blocks)
+
+    def taken(name: str, per: int) -> Any:
+        size = rule.units * per  # rows of one block
+        parts = [rows(params[name], b * size + lo * per, b * size + hi * per)
+                 for b in range(stacked.get(name, 1))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    sub = {name: taken(name, per) for name, per in rule.rows}
     sub.update({name: cols(params[name], lo * per, hi * per) for name, per in rule.cols})
     if hi < rule.units:
         sub.update({name: torch.zeros_like(params[name]) for name in rule.last_only})
