@@ -111,6 +111,15 @@ def test_every_split_sums_to_the_module_with_its_gradients(model_type, name):
             assert (got[2][key] - grad).abs().max() < TOL, (model_type, key, cut)
 
 
+def test_a_fused_mlp_is_not_offered_from_shapes_alone():
+    """On meta (analytical profiles) interleaved gate/up rows would pass a shape check and
+    train wrong: a rule with stacked blocks needs the numeric check."""
+    module, args, kwargs = _calls("phi3")["mlp"]
+    rule, _ = slice_rule(module)
+    meta = module.to("meta")
+    assert "profile on cpu or cuda" in check_slices(meta, rule, (args[0].to("meta"),), kwargs)
+
+
 def test_a_fused_mlp_taken_as_one_block_fails_the_check():
     """The check, not the rule, proves the blocks' layout: Phi-3's gate_up_proj cut as if
     it were one block of columns gives another module."""

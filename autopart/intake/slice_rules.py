@@ -157,7 +157,8 @@ def main_output(output: Any) -> Any:
 
 def check_slices(module: nn.Module, rule: SliceRule, args: tuple, kwargs: dict) -> str:
     """Run ``module`` whole and as two slices on ``args``; ``""`` if they agree (same shape
-    on meta; within rounding of the dtype elsewhere), else why not."""
+    on meta; within rounding of the dtype elsewhere), else why not. On meta a rule with
+    stacked blocks is refused: their layout needs numbers."""
     import torch
 
     try:
@@ -172,7 +173,10 @@ def check_slices(module: nn.Module, rule: SliceRule, args: tuple, kwargs: dict) 
     if not isinstance(whole, torch.Tensor) or split.shape != whole.shape:
         return f"{type(module).__name__}'s output does not split into a sum over its units"
     if whole.is_meta:
-        return ""
+        # shapes cannot tell stacked blocks from interleaved rows: only numbers prove it
+        return (f"{type(module).__name__}'s input projections stack blocks whose layout only "
+                f"a numeric check proves; profile on cpu or cuda to slice it"
+                if rule.blocks else "")
     tol = 1e-4 if whole.dtype == torch.float32 else 2e-2
     err = (split.float() - whole.float()).norm() / whole.float().norm().clamp(min=1e-12)
     if not err <= tol:
