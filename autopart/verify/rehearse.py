@@ -25,7 +25,9 @@ more last, and what is folded in is the two 1F1B runs' geometric mean
 (``pooled_report``): on a shared host a slow spell lasts longer than a run's launches,
 which read alike, while runs minutes apart do not, so one run's stage factors carry its
 spell into every plan (``docs/timing-sweep.md``). Where the two runs' steps differ by
-more than ``LAUNCH_SPREAD`` a third run decides, and the two that agree best are pooled.
+more than ``LAUNCH_SPREAD`` a third run decides, and the two fastest are pooled: a
+shared host's load only ever slows a run, so of three runs the slowest is the one a slow
+spell took, even where two runs shared the spell (``_fastest_two``).
 The Interleaved and GPipe runs' stages are not pooled: their F and B differ from 1F1B's
 on small models (GPipe's eight microbatches in flight ran the tiny Qwen2's blocks 1.3x
 slower), and their posts are priced with the blocks as pooled. ``autopart profile --pp
@@ -104,7 +106,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     runs = [(first, launches), verify_steadily(plan, settings, progress=progress)]
     if not agree(*(run.measured_step_ms for run, _ in runs), LAUNCH_SPREAD):
         runs.append(verify_steadily(plan, settings, progress=progress))
-    pooled = _closest_two(runs)
+    pooled = _fastest_two(runs)
     report = pooled_report(tuple(run for run, _ in pooled))
     what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
             f"local ranks, {'twice' if len(runs) == 2 else 'three times'}")
@@ -149,7 +151,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     measured = ", then ".join(f"{run.measured_step_ms:.1f} ms{_of_launches(run_launches)}"
                               for run, run_launches in runs)
     which = ("their geometric mean" if len(runs) == 2 else
-             "the two that agree best, their geometric mean")
+             "the two fastest, their geometric mean")
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
                f"{measured}; folded in ({which}): {factors}{counted}{posts}{latency}"
                f"{''.join(priced)}")
@@ -157,14 +159,17 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
                      summary=summary)
 
 
-def _closest_two(runs: list[tuple[RunReport, tuple[float, ...]]]
+def _fastest_two(runs: list[tuple[RunReport, tuple[float, ...]]]
                  ) -> list[tuple[RunReport, tuple[float, ...]]]:
-    """The two runs (of two or three) whose steps lie closest together (by ratio)."""
+    """The two runs (of two or three) with the shortest steps. Before r22 of the timing
+    sweep the two closest by ratio were kept; where a slow spell took two of the three
+    runs that kept the spell: the heavy-head Llama's runs of 688.7, 609.9 and 664.3 ms
+    pooled the slower two and every plan read 9-17% over its run (r21,
+    ``docs/timing-sweep.md``). In the order they ran."""
     if len(runs) <= 2:
         return runs
-    ordered = sorted(runs, key=lambda run: run[0].measured_step_ms)
-    low, mid, high = (run.measured_step_ms for run, _ in ordered)
-    return ordered[:2] if mid / low <= high / mid else ordered[1:]
+    slowest = max(runs, key=lambda run: run[0].measured_step_ms)
+    return [run for run in runs if run is not slowest]
 
 
 def _rounded(launches: tuple[float, ...]) -> list[float]:
