@@ -161,11 +161,11 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
 
 def _fastest_two(runs: list[tuple[RunReport, tuple[float, ...]]]
                  ) -> list[tuple[RunReport, tuple[float, ...]]]:
-    """The two runs (of two or three) with the shortest steps. Before r22 of the timing
-    sweep the two closest by ratio were kept; where a slow spell took two of the three
-    runs that kept the spell: the heavy-head Llama's runs of 688.7, 609.9 and 664.3 ms
-    pooled the slower two and every plan read 9-17% over its run (r21,
-    ``docs/timing-sweep.md``). In the order they ran."""
+    """The two runs (of two or three) with the shortest steps, in the order they ran.
+    Until r22 of the timing sweep the two closest by ratio were kept, which kept a slow
+    spell wherever it took two of the three runs: the heavy-head Llama's runs of 688.7,
+    609.9 and 664.3 ms pooled the slower two, and every plan read 9-17% over its run
+    (r21, ``docs/timing-sweep.md``)."""
     if len(runs) <= 2:
         return runs
     slowest = max(runs, key=lambda run: run[0].measured_step_ms)
