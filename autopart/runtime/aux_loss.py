@@ -31,8 +31,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from autopart.runtime.groups import all_reduce
 
 __all__ = ["RouterAuxLoss", "router_aux_loss"]
 
@@ -234,7 +235,7 @@ class RouterAuxLoss:
         with self._hooked(self._count, attach=False):
             run_forward()
         both = torch.cat([self._counts, self._rows[None]])
-        dist.all_reduce(both, group=self.pp_group)
+        all_reduce(both, self.pp_group)
         counts, rows = both[:-1], both[-1].clamp(min=1)
         self._weights = self.num_experts * counts / rows ** 2
         self._shares = []
@@ -246,5 +247,5 @@ class RouterAuxLoss:
             yield
         mine = torch.stack(self._shares).sum() if self._shares else \
             torch.zeros((), device=self._weights.device)
-        dist.all_reduce(mine, group=self.pp_group)
+        all_reduce(mine, self.pp_group)
         self.total = mine

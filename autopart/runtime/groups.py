@@ -10,6 +10,7 @@ Gradient reductions over these groups (flattened into buckets) live here too.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ __all__ = []
 _MESH_DIMS = ("pp", "dp", "tp")
 
 _BUCKET_BYTES = 32 * 2**20
+
+_KEPT: deque[dist.Work] = deque(maxlen=32)
+"""The work objects of the runtime's latest collectives (``keep_alive``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,28 @@ def _groups_of_mesh(mesh: DeviceMesh) -> Groups:
                   dp_mesh=dp_mesh)
 
 
+def keep_alive(work: dist.Work | None) -> None:
+    """Hold the work object of a collective that has just been waited for.
+
+    Gloo's worker thread lets go of its reference to a collective's work just after the
+    caller's wait returns. Where that reference is the last, the work's tensors are
+    released on the worker thread, which needs the GIL for their Python objects; at
+    interpreter exit it gets none, and the process aborts ("terminate called without an
+    active exception", torch issue 190489; 4 of 40 runs of a two-rank ``plan="auto"``
+    test that exits right after its step). Held here (the latest 32), the work outlives
+    the worker's reference and is released on the thread that runs Python.
+    """
+    if work is not None:
+        _KEPT.append(work)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``dist.all_reduce`` (sum, in place) whose work is kept alive past it (``keep_alive``)."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work.wait()
+    keep_alive(work)
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup,
                      divide_by: int = 1) -> None:
     """Sum the gradients of ``params`` over ``group`` (flattened buckets), then divide.
@@ -139,11 +165,12 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup,
     assert all(g is not None for g in grads), "all_reduce_grads needs every gradient"
     for bucket in _buckets(grads):
         flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group)
         if divide_by != 1:
             flat.div_(divide_by)
         for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(reduced)
+        flat.set_()  # its work is kept alive, its memory is not
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopart.errors import RuntimeSetupError
 from autopart.runtime.aux_loss import RouterAuxLoss
-from autopart.runtime.groups import Groups, all_reduce_grads
+from autopart.runtime.groups import Groups, all_reduce, all_reduce_grads
 from autopart.runtime.loss import TokenMeanLoss
 from autopart.runtime.stages import LABELS_KWARG, input_kwarg
 from autopart.runtime.tensor_parallel import local_tensor, place_grads
@@ -162,7 +162,7 @@ class PipelinedModel:
         if self._token_loss is None:
             total = total / len(mb_losses)
         if self.groups.dp_group is not None:
-            dist.all_reduce(total, group=self.groups.dp_group)
+            all_reduce(total, self.groups.dp_group)
             if self._token_loss is None:
                 total = total / self.groups.dp_size
         if self._aux is not None:
@@ -212,9 +212,9 @@ class PipelinedModel:
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
         for groups, part in sorted(sums.items(), key=lambda kv: len(kv[0])):
             for group in groups:
-                dist.all_reduce(part, group=group)
+                all_reduce(part, group)
             squares += part
-        dist.all_reduce(squares, group=self.groups.pp_group)
+        all_reduce(squares, self.groups.pp_group)
         total = squares.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
@@ -225,7 +225,7 @@ class PipelinedModel:
     def _count_tokens(self, aligned: torch.Tensor) -> torch.Tensor:
         num = (aligned != self._token_loss.spec.ignore_index).sum().to(self.device)
         if self.groups.dp_group is not None:
-            dist.all_reduce(num, group=self.groups.dp_group)
+            all_reduce(num, self.groups.dp_group)
         return num.clamp(min=1)
 
     def _sync_grads(self) -> None:
