@@ -10,9 +10,10 @@ from tiny configs written here: hidden 64 to 1024, 2 to 24 layers, vocabulary 51
 2. ``autopart plan`` for pp 2 under 1F1B (v 1) and Interleaved 1F1B (v 2), each as the
    plan (``optimal``) and as the even split;
 3. ``autopart verify`` each plan on 2 gloo ranks (``verify_plan``, the same code), in two
-   launches, pooled where their steps agree within 10%, else a third and the median kept
-   (as the rehearsal measures), the plan's and the even split's launches taken in turn
-   (``verify_in_turn``; since r19, before it one plan's launches, then the other's);
+   launches, pooled where their steps agree within 10%, else a third and the two fastest
+   pooled (as the rehearsal measures; through r23 the median kept), the plan's and the even
+   split's launches taken in turn (``verify_in_turn``; since r19, before it one plan's
+   launches, then the other's);
    ``--one-launch``: one launch each, as the sweeps before r9 did.
 
 It prints, and writes as markdown (``--out``), every run's predicted and measured step,
@@ -132,7 +133,7 @@ class Run:
     probe_ms: float = 0.0
     """Median of the machine probe taken just before the run (``machine_probe``)."""
     launches: tuple[float, ...] = ()
-    """Every launch's measured step, in launch order (``report`` is the median one's)."""
+    """Every launch's measured step, in launch order (``report`` pools the two fastest)."""
 
 
 def _round8(n: int) -> int:
@@ -391,7 +392,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--one-launch", action="store_true", help="measure each run in one "
                         "launch (default: two, pooled where they agree within 10%%, else a "
-                        "third and the median kept; the plan's and the even split's in turn)")
+                        "third and the two fastest pooled; the plan's and the even split's "
+                        "in turn)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--loop", action="store_true", help="verify -> calibrate -> replan "
                         "-> verify the 1F1B plan of each shape")
@@ -474,7 +476,7 @@ def write_outputs(args: argparse.Namespace, indices: list[int], schedules: tuple
     text = [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{len(indices)} shapes x {len(schedules)} schedule(s) x (plan, even), 2 gloo "
             f"ranks x {threads} thread(s), m={args.microbatches}, {args.steps} timed steps, "
-            f"{'one launch' if args.one_launch else 'median of two or three launches'}"
+            f"{'one launch' if args.one_launch else 'two launches (or the fastest two of three)'}"
             f", the plan's and the even split's in turn; "
             f"1-minute load average before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
             f"median over runs {statistics.median(loads):.2f}, max {max(loads):.2f} "

@@ -87,7 +87,7 @@ def test_pp_sets_rank_threads_and_records_the_machine_check(tmp_path, monkeypatc
 def test_pp_rehearses_the_even_split_and_folds_it_in(tmp_path, monkeypatch, capsys,
                                                      one_thread):
     """--pp 2 on CPU runs the even split on 2 local ranks under 1F1B, Interleaved 1F1B,
-    GPipe and 1F1B again (each in two launches pooled, or three and the median kept; 1F1B
+    GPipe and 1F1B again (each in two launches pooled, or the two fastest of three; 1F1B
     a third time where its two runs disagree) and folds them in: planning any of them
     again predicts the step that ran (1F1B's: the geometric mean of the two fastest
     runs)."""

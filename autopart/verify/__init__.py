@@ -3,7 +3,7 @@
 ``verify_plan(plan, RunSettings(model=...))`` spawns the plan's ranks (or runs in
 place under torchrun), trains a few steps on synthetic tokens, times every F/B/W
 and p2p wait, measures per-rank peak memory and returns a ``RunReport``;
-``verify_steadily`` pools two launches that agree (else keeps the median of three)
+``verify_steadily`` pools two launches that agree (else the two fastest of three)
 where one would do on a quiet machine, ``verify_in_turn`` several plans with their
 launches taken in turn; ``calibrate_profile`` folds the measured stage
 times back into the profile;

@@ -19,7 +19,7 @@ posts cost several times 1F1B's; where even free posts predict above that run (G
 blocks ran faster than 1F1B's prices on a tiny Cohere and Nemotron), the step cannot
 price them and the run's own time outside its actions per post does
 (``calibrate.measured_post_ms``). Each run is measured as ``verify_steadily`` does (two
-launches pooled where they agree, else a third and the median kept): one launch on a
+launches pooled where they agree, else a third and the two fastest pooled): one launch on a
 host's slow spell would otherwise set every plan's post price. The 1F1B split runs once
 more last, and what is folded in is the two 1F1B runs' geometric mean
 (``pooled_report``): on a shared host a slow spell lasts longer than a run's launches,
@@ -42,7 +42,7 @@ from autopart.profile.noise import agree
 from autopart.schema import Profile
 from autopart.verify.calibrate import calibrate_profile, fit_post_price, measured_post_ms
 from autopart.verify.report import RunReport, pooled_report
-from autopart.verify.run import LAUNCH_SPREAD, ProgressFn, verify_steadily
+from autopart.verify.run import LAUNCH_SPREAD, ProgressFn, fastest_two, verify_steadily
 from autopart.verify.worker import RunSettings
 
 __all__ = ["REHEARSAL_STEPS", "Rehearsal", "rehearse"]
@@ -161,15 +161,12 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
 
 def _fastest_two(runs: list[tuple[RunReport, tuple[float, ...]]]
                  ) -> list[tuple[RunReport, tuple[float, ...]]]:
-    """The two runs (of two or three) with the shortest steps, in the order they ran.
-    Until r22 of the timing sweep the two closest by ratio were kept, which kept a slow
-    spell wherever it took two of the three runs: the heavy-head Llama's runs of 688.7,
-    609.9 and 664.3 ms pooled the slower two, and every plan read 9-17% over its run
-    (r21, ``docs/timing-sweep.md``)."""
-    if len(runs) <= 2:
-        return runs
-    slowest = max(runs, key=lambda run: run[0].measured_step_ms)
-    return [run for run in runs if run is not slowest]
+    """The two runs (of two or three) with the shortest steps, in the order they ran
+    (``fastest_two``). Until r22 of the timing sweep the two closest by ratio were kept,
+    which kept a slow spell wherever it took two of the three runs: the heavy-head Llama's
+    runs of 688.7, 609.9 and 664.3 ms pooled the slower two, and every plan read 9-17%
+    over its run (r21, ``docs/timing-sweep.md``)."""
+    return fastest_two(runs, lambda run: run[0].measured_step_ms)
 
 
 def _rounded(launches: tuple[float, ...]) -> list[float]:
@@ -177,7 +174,7 @@ def _rounded(launches: tuple[float, ...]) -> list[float]:
 
 
 def _of_launches(launches: tuple[float, ...]) -> str:
-    """`` (median of 3 launches: a, b, c ms)`` where a third launch decided, else ``""``."""
+    """`` (two fastest of 3 launches: a, b, c ms)`` where a third launch ran, else ``""``."""
     if len(launches) < 3:
         return ""
-    return f" (median of 3 launches: {', '.join(f'{s:.1f}' for s in launches)} ms)"
+    return f" (two fastest of 3 launches: {', '.join(f'{s:.1f}' for s in launches)} ms)"
