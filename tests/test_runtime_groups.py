@@ -1,6 +1,6 @@
 """The runtime's gradient reduction on 2 gloo ranks: sums and divides, and what it keeps.
 
-``all_reduce_grads`` keeps each bucket's work alive (``keep_alive``): released on gloo's
+``all_reduce_grads`` keeps each bucket's work alive (``wait_and_keep``): released on gloo's
 worker thread at interpreter exit, a work's tensors aborted one run in ten of a two-rank
 test. The kept works must not keep the buckets' memory.
 """

@@ -28,7 +28,7 @@ _MESH_DIMS = ("pp", "dp", "tp")
 _BUCKET_BYTES = 32 * 2**20
 
 _KEPT: deque[dist.Work] = deque(maxlen=32)
-"""The work objects of the runtime's latest collectives (``keep_alive``)."""
+"""The work objects of the runtime's latest collectives (``wait_and_keep``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +131,8 @@ def _groups_of_mesh(mesh: DeviceMesh) -> Groups:
                   dp_mesh=dp_mesh)
 
 
-def keep_alive(work: dist.Work | None) -> None:
-    """Hold the work object of a collective that has just been waited for.
+def wait_and_keep(work: dist.Work) -> None:
+    """Wait for a collective issued with ``async_op=True``, then hold its work object.
 
     Gloo's worker thread lets go of its reference to a collective's work just after the
     caller's wait returns. Where that reference is the last, the work's tensors are
@@ -142,15 +142,14 @@ def keep_alive(work: dist.Work | None) -> None:
     test that exits right after its step). Held here (the latest 32), the work outlives
     the worker's reference and is released on the thread that runs Python.
     """
-    if work is not None:
-        _KEPT.append(work)
+    work.wait()
+    _KEPT.append(work)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """``dist.all_reduce`` (sum, in place) whose work is kept alive past it (``keep_alive``)."""
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    work.wait()
-    keep_alive(work)
+    """``dist.all_reduce`` (sum, in place) whose work is kept alive past it
+    (``wait_and_keep``)."""
+    wait_and_keep(dist.all_reduce(tensor, group=group, async_op=True))
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopart.intake.hf import IGNORE_INDEX
-from autopart.runtime.groups import keep_alive
+from autopart.runtime.groups import wait_and_keep
 from autopart.runtime.held_grads import rows_of
 
 __all__ = []
@@ -140,9 +140,7 @@ class _GatherCarries(torch.autograd.Function):
         ctx.rank = dist.get_rank(group)
         mine = torch.stack([lse, target]).contiguous()
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        work = dist.all_gather(parts, mine, group=group, async_op=True)
-        work.wait()
-        keep_alive(work)
+        wait_and_keep(dist.all_gather(parts, mine, group=group, async_op=True))
         both = torch.stack(parts)  # [ranks, 2, batch, positions]
         return both[:, 0], both[:, 1]
 
