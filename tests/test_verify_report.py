@@ -621,3 +621,96 @@ def test_the_router_loss_counting_pass_is_priced_as_measured(profile):
                         [_rank_result(planned, 0, 1.0), _rank_result(planned, 1, 1.0)])
     assert bare.measured_count_ms == 0.0
     assert calibrate_profile(moe, bare, planned).runtime_overhead.count_pass_scale == 1.0
+
+
+def _glued(profile):
+    """``profile`` with 0.05 ms of the model's code after each block, a stand-in of 0.02
+    ms each and 0.3 ms of code before the first block."""
+    blocks = tuple(dataclasses.replace(b, glue_after_ms=0.05, stand_in_ms=0.02)
+                   for b in profile.blocks)
+    return dataclasses.replace(profile, blocks=blocks, setup=dataclasses.replace(
+        profile.setup, glue_fwd_ms=0.05 * len(blocks) + 0.3))
+
+
+def _run_with_outside(profile, plan, outside: float, blocks: float) -> RunReport:
+    """A run in which the model's code outside the blocks (glue, stand-ins) ran ``outside``
+    x its profile and the blocks ``blocks`` x theirs, split block by block."""
+    from autopart.verify.outside import lead_ms
+
+    index = {b.name: i for i, b in enumerate(profile.blocks)}
+    results = []
+    for rank in range(2):
+        (stage,) = plan.stages_of_rank(rank)
+        own = [profile.blocks[index[n]] for n in stage.modules]
+        lead = lead_ms(profile, index[stage.modules[0]])
+        rows = [(stage.index, OUTSIDE, stage.fwd_ms - sum(b.fwd_ms + b.glue_after_ms
+                                                          for b in own)
+                 + (outside - 1) * lead)]
+        rows += [(stage.index, n, blocks * b.fwd_ms + outside * b.glue_after_ms)
+                 for n, b in zip(stage.modules, own)]
+        measured_f = sum(ms for *_, ms in rows)
+        base = _rank_result(plan, rank, measured_f / (1.5 * stage.fwd_ms))  # median: 1.5x
+        steps = tuple(tuple(r for _ in range(plan.num_microbatches) for r in rows)
+                      for _ in range(2))
+        results.append(dataclasses.replace(base, block_fwd=steps))
+    return build_report(plan, RunSettings(model="synthetic", steps=2, warmup=0), results)
+
+
+def test_outside_scale_takes_the_glue_and_stand_ins_off_the_blocks(profile):
+    """A run whose glue and stand-ins ran 2x their profile and blocks 1.5x: calibration
+    finds both apart, so a plan cutting elsewhere is priced with each where it falls
+    (a stage with more stand-ins before it pays more), not with the stages' mixed
+    factors."""
+    glued = _glued(profile)
+    planned = make_plan(glued, pp_size=2, num_microbatches=4, schedule="1f1b",
+                        cuts=("model.layers.1",))
+    run = _run_with_outside(glued, planned, outside=2.0, blocks=1.5)
+    calibrated = calibrate_profile(glued, run, planned)
+    assert calibrated.calibration["outside_scale"] == pytest.approx(2.0, rel=1e-4)
+    for factor in calibrated.calibration["factors"]:
+        assert factor["fwd"] == pytest.approx(1.5, rel=1e-3)
+    again = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule="1f1b",
+                      cuts=tuple(planned.pipeline_cuts))
+    for stage, measured in zip(again.stages, run.stages):
+        assert stage.fwd_ms == pytest.approx(measured.measured_fwd_ms, rel=1e-3)
+    from autopart.verify.outside import lead_ms
+
+    index = {b.name: i for i, b in enumerate(glued.blocks)}
+    other = ("model.layers.2",)
+    before = make_plan(glued, pp_size=2, num_microbatches=4, schedule="1f1b", cuts=other)
+    after = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule="1f1b", cuts=other)
+    for was, now in zip(before.stages, after.stages):
+        own = [glued.blocks[index[n]] for n in was.modules]
+        lead = lead_ms(glued, index[was.modules[0]])
+        assert now.fwd_ms == pytest.approx(
+            was.fwd_ms + 0.5 * sum(b.fwd_ms for b in own)
+            + (lead + sum(b.glue_after_ms for b in own)), rel=1e-3)
+
+
+def test_outside_scale_needs_block_rows_and_is_clipped(profile, plan, report):
+    """Without per-block rows the scale is 1 (the stages' factors take everything, as
+    before); rows that read an outside far beyond the code's profile are clipped."""
+    from autopart.verify.outside import OUTSIDE_SCALE_RANGE, fit_outside_scale
+
+    assert report.blocks == ()
+    assert fit_outside_scale(profile, report) == (1.0, {})
+    glued = _glued(profile)
+    planned = make_plan(glued, pp_size=2, num_microbatches=4, schedule="1f1b",
+                        cuts=("model.layers.1",))
+    scale, added = fit_outside_scale(glued, _run_with_outside(glued, planned, 50.0, 1.0))
+    assert scale == OUTSIDE_SCALE_RANGE[1] and sorted(added) == [0, 1]
+
+
+def test_pooled_report_pools_each_blocks_forward(profile):
+    """The rehearsal's two runs: each block's row is their geometric mean too."""
+    from autopart.verify.report import pooled_report
+
+    glued = _glued(profile)
+    planned = make_plan(glued, pp_size=2, num_microbatches=4, schedule="1f1b")
+    one = _run_with_outside(glued, planned, outside=1.0, blocks=1.0)
+    four = dataclasses.replace(one, blocks=tuple(
+        dataclasses.replace(b, measured_fwd_ms=4 * b.measured_fwd_ms) for b in one.blocks))
+    pooled = pooled_report((one, four))
+    for a, b in zip(one.blocks, pooled.blocks):
+        assert (b.stage, b.block) == (a.stage, a.block)
+        assert b.measured_fwd_ms == pytest.approx(2 * a.measured_fwd_ms, abs=1e-3)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopart.schema import Profile
-from autopart.verify.calibrate import covered_blocks
+from autopart.verify.coverage import covered_blocks
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport
 

@@ -5,8 +5,10 @@ forward's, ``bwd_input_ms`` and ``bwd_weight_ms`` by the B and W factors under
 split-backward schedules, else both by the full backward's (``bwd_ms`` follows). A
 stage's prediction is its blocks plus what it pays outside them (the runtime's per-action
 cost, the model's glue and stand-ins: ``autopart.cost.stage``), which calibration leaves
-as they are; so the factor is (measured - outside) / blocks, and planning the same cuts
-again predicts what was measured. Memory figures are left as they are.
+as they are, but for the model's code outside the blocks (glue and stand-ins), which
+the run's per-block rows price with one factor of their own (``autopart.verify.outside``);
+so the factor is (measured - outside) / blocks, and planning the same cuts again
+predicts what was measured. Memory figures are left as they are.
 
 What a rank spends outside its actions and p2p waits (``RankReport.measured_outside_ms``:
 posting sends and receives, the schedule's bookkeeping) is priced by the machine check
@@ -36,7 +38,9 @@ from autopart.cost.rank import stage_costs_of_plan
 from autopart.cost.stage import StageCost
 from autopart.errors import SchemaError
 from autopart.schedules import schedule_info
-from autopart.schema import BlockProfile, Part, Plan, Profile, RuntimeOverhead
+from autopart.schema import BlockProfile, Plan, Profile, RuntimeOverhead
+from autopart.verify.coverage import covered_blocks, stage_blocks
+from autopart.verify.outside import fit_outside_scale, scaled_outside
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
 __all__ = ["calibrate_profile", "fit_count_pass", "fit_post_price", "post_field"]
@@ -47,7 +51,10 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     """Fold a verify run's measured stage times back into the profile.
 
     Every block of a stage has its F, B and W times scaled by that stage's measured /
-    predicted ratio, so planning again from the result predicts what was measured. A
+    predicted ratio, so planning again from the result predicts what was measured; where
+    the report splits each stage's forward block by block, the model's glue and the
+    stand-ins are first scaled by how much slower the stages ran them
+    (``fit_outside_scale``), and the blocks' factors are what is left. A
     head split into vocabulary shards over several stages gets the mean of their
     ratios, each weighted by its share of the vocabulary. The runtime's price per post
     of the report's kind of schedule becomes, given ``plan``, the one at which the plan
@@ -73,20 +80,19 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
             already folded into ``profile``, or names blocks ``profile`` lacks.
     """
     _check(profile, report, plan)
+    scale, added = fit_outside_scale(profile, report)
+    profile_in, profile = profile, scaled_outside(profile, scale)
     blocks = list(profile.blocks)
     factors = []
     shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
     changes: dict[int, dict[str, float]] = {}
     for stage in report.stages:
-        covered = []
-        for name in stage.modules:
-            parts = tuple(report.parts.get(name, ()))
-            weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
-            covered += [(i, weight) for i in covered_blocks(profile, name, parts)]
+        covered = stage_blocks(profile, report, stage)
         own = {key: sum(w * getattr(blocks[i], f"{key}_ms") for i, w in covered)
                for key in ("fwd", "bwd_input", "bwd_weight")}
-        ratio = _ratios(stage, own)
+        ratio = _ratios(stage, own, added.get(stage.index, 0.0))
         changes[stage.index] = {key: (ratio[key] - 1) * own[key] for key in own}
+        changes[stage.index]["fwd"] += added.get(stage.index, 0.0)
         for i, weight in covered:
             shares.setdefault(i, []).append((weight, ratio))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
@@ -95,12 +101,12 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         total = sum(weight for weight, _ in parts)
         mean = {key: sum(weight * r[key] for weight, r in parts) / total for key in parts[0][1]}
         blocks[i] = _scaled(blocks[i], mean)
-    previous = [profile.calibration] if profile.calibration else []
+    previous = [profile_in.calibration] if profile_in.calibration else []
     record = {"source": source, "plan_digest": report.plan_digest,
               "schedule": report.schedule, "device": report.device,
               "predicted_step_ms": report.predicted_step_ms,
               "measured_step_ms": report.measured_step_ms, "factors": factors,
-              "previous": previous}
+              "outside_scale": round(scale, 4), "previous": previous}
     overhead = profile.runtime_overhead
     if overhead is not None and plan is not None and report.measured_step_ms > 0:
         costs = [_changed(cost, changes.get(s, {}), first=s == 0)
@@ -318,22 +324,6 @@ def _check(profile: Profile, report: RunReport, plan: Plan | None) -> None:
                           f"pass the profile the plan came from")
 
 
-def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
-    """Indices of the profile's blocks a planned block ran: itself; a part of a module's
-    call (a slice of a half, a shard of the head) runs its share of the blocks of that half
-    or head; a block fused from parts (a layer, a half) runs all of them."""
-    blocks = profile.blocks
-    direct = [i for i, b in enumerate(blocks) if b.name == name]
-    if direct:
-        return direct
-    prefix = parts[:-1] if parts and parts[-1].derived else parts
-    if prefix:
-        return [i for i, b in enumerate(blocks) if b.parts[:len(prefix)] == prefix]
-    module = parts[-1].module if parts else name
-    return [i for i, b in enumerate(blocks)
-            if b.name == module or (b.parts and b.parts[0].module == module)]
-
-
 def _applied_digests(record: dict[str, Any]) -> set[str]:
     """Plan digests of every run already folded into a profile (its calibration chain)."""
     digests = set()
@@ -344,11 +334,13 @@ def _applied_digests(record: dict[str, Any]) -> set[str]:
     return digests
 
 
-def _ratios(stage: StageReport, blocks: dict[str, float]) -> dict[str, float]:
+def _ratios(stage: StageReport, blocks: dict[str, float], added_fwd: float = 0.0
+            ) -> dict[str, float]:
     """The factors of one stage's F, B and W (module docstring); ``blocks``: the stage's
-    blocks' own ms of each, from the profile. 1.0 where nothing was predicted; measured /
-    predicted where the blocks are not what the prediction ran over (nothing left for
-    them once the outside is taken off)."""
+    blocks' own ms of each, from the profile; ``added_fwd``: what the fitted outside scale
+    adds to the stage's predicted F (``fit_outside_scale``). 1.0 where nothing was
+    predicted; measured / predicted where the blocks are not what the prediction ran
+    over (nothing left for them once the outside is taken off)."""
     def ratio(measured: float | None, predicted: float, own: float) -> float:
         if measured is None or predicted <= 0 or measured <= 0:
             return 1.0
@@ -359,7 +351,8 @@ def _ratios(stage: StageReport, blocks: dict[str, float]) -> dict[str, float]:
 
     full = ratio(stage.measured_bwd_ms, stage.predicted_bwd_ms,
                  blocks["bwd_input"] + blocks["bwd_weight"])
-    return {"fwd": ratio(stage.measured_fwd_ms, stage.predicted_fwd_ms, blocks["fwd"]),
+    return {"fwd": ratio(stage.measured_fwd_ms, stage.predicted_fwd_ms + added_fwd,
+                         blocks["fwd"]),
             "bwd_input": ratio(stage.measured_bwd_input_ms, stage.predicted_bwd_input_ms,
                                blocks["bwd_input"])
             if stage.measured_bwd_input_ms is not None else full,

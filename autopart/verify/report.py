@@ -196,8 +196,9 @@ class RunReport(JsonFile):
 
 def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
     """Several runs of one plan as one report: each stage's measured F, B (and B and W
-    apart, where measured), the step and the counting pass are the geometric mean over
-    the runs, the timed steps every run's in turn; everything else is the first run's.
+    apart, where measured), each block's forward, the step and the counting pass are the
+    geometric mean over the runs (the first run's where a run lacks it), the timed
+    steps every run's in turn; everything else is the first run's.
 
     Args:
         reports: Runs of the same plan (one digest), e.g. launched minutes apart.
@@ -225,7 +226,11 @@ def pooled_report(reports: tuple[RunReport, ...]) -> RunReport:
         runs = [r.stages[i] for r in reports]
         stages.append(replace(stage, **{key: mean([getattr(s, key) for s in runs])
                                         for key in keys}))
-    return replace(reports[0], stages=tuple(stages),
+    rows = [{(b.stage, b.block): b.measured_fwd_ms for b in r.blocks} for r in reports]
+    blocks = tuple(replace(b, measured_fwd_ms=round(mean([row.get((b.stage, b.block))
+                                                          for row in rows]), 4))
+                   for b in reports[0].blocks)
+    return replace(reports[0], stages=tuple(stages), blocks=blocks,
                    measured_step_ms=mean([r.measured_step_ms for r in reports]),
                    measured_count_ms=mean([r.measured_count_ms for r in reports]),
                    measured_steps_ms=tuple(t for r in reports for t in r.measured_steps_ms))

@@ -1,0 +1,43 @@
+"""Which of a profile's blocks each block of a run's stages ran.
+
+A plan's stages name blocks as the planner made them: a profile block itself, a part of
+a module's call (a slice of a split half, a shard of the head) or a block fused from
+parts (a layer, a half). Calibration and the verify report's attribution put a run's
+measurements on the profile's blocks through these.
+"""
+
+from __future__ import annotations
+
+from autopart.schema import Part, Profile
+from autopart.verify.report import RunReport, StageReport
+
+__all__ = ["covered_blocks", "stage_blocks"]
+
+
+def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
+    """Indices of the profile's blocks a planned block ran: itself; a part of a module's
+    call (a slice of a half, a shard of the head) runs its share of the blocks of that half
+    or head; a block fused from parts (a layer, a half) runs all of them."""
+    blocks = profile.blocks
+    direct = [i for i, b in enumerate(blocks) if b.name == name]
+    if direct:
+        return direct
+    prefix = parts[:-1] if parts and parts[-1].derived else parts
+    if prefix:
+        return [i for i, b in enumerate(blocks) if b.parts[:len(prefix)] == prefix]
+    module = parts[-1].module if parts else name
+    return [i for i, b in enumerate(blocks)
+            if b.name == module or (b.parts and b.parts[0].module == module)]
+
+
+def stage_blocks(profile: Profile, report: RunReport,
+                 stage: StageReport) -> list[tuple[int, float]]:
+    """``(block index, weight)`` of every profile block ``stage`` ran: a part of a module's
+    call derived by count (a head shard, a unit slice) runs ``1 / count`` of each of the
+    module's blocks, anything else all of them."""
+    covered = []
+    for name in stage.modules:
+        parts = tuple(report.parts.get(name, ()))
+        weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
+        covered += [(i, weight) for i in covered_blocks(profile, name, parts)]
+    return covered

@@ -1,0 +1,111 @@
+"""The model's code outside a stage's blocks, as a pipeline run measured it.
+
+Every stage runs the model's own forward with its blocks and stand-ins for the blocks of
+the stages before it (``autopart.runtime.stages``): the model's code before the first
+block and between blocks (``ProfileSetup.glue_fwd_ms``, ``BlockProfile.glue_after_ms``)
+and each earlier block's stand-in (``BlockProfile.stand_in_ms``). The profile times that
+code on its own; inside a pipeline's stage it runs slower (a tiny SmolLM3's last stage
+spent 1.5 ms before its first block where 1.0 was predicted, its first stage 0.6 where
+0.4 was). Folding that excess into the stage's block factors, as calibration did before,
+charges it to the blocks: a plan that cuts elsewhere then carries the last stage's
+factor onto blocks that run first on a stage, and the excess onto a stage with fewer
+stand-ins.
+
+``fit_outside_scale`` fits one factor for that code from a run's per-block rows
+(``RunReport.blocks``, whose ``(outside blocks)`` row is a stage's forward before its
+first block starts): the measured excess before the first blocks over the stages'
+glue and stand-ins before them. ``scaled_outside`` applies it to a profile's glue,
+stand-ins and walks into split halves (the parent's code run on meta up to a stage's
+first block: Python of the same kind), so every stage of every plan pays it in
+proportion to the code it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopart.schema import Profile
+from autopart.verify.coverage import stage_blocks
+from autopart.verify.instrument import BlockTimer
+from autopart.verify.report import RunReport
+
+__all__ = ["OUTSIDE_SCALE_RANGE", "fit_outside_scale", "lead_ms", "scaled_outside"]
+
+OUTSIDE_SCALE_RANGE = (0.5, 4.0)
+"""The factors a fit may give; outside it the rows measure something else (a stage
+descheduled before its first block), and the fit is clipped."""
+
+MIN_LEAD_MS = 0.05
+"""Below this much glue and stand-ins before the stages' first blocks (summed over the
+stages) the rows cannot tell a factor from the action's own noise: no fit."""
+
+
+def lead_ms(profile: Profile, first: int) -> float:
+    """The model's code a stage whose first block is ``first`` runs before it: the code
+    before the model's first block, every earlier block's code after it and stand-in,
+    and starting inside a split half's call, the parent's code on meta up to it
+    (``BlockProfile.walk_ms``); none for a stage starting inside the head, after its
+    first vocabulary part."""
+    blocks = profile.blocks
+    if first > 0 and _vocab_part(profile, first) and _vocab_part(profile, first - 1):
+        return 0.0
+    after = sum(b.glue_after_ms for b in blocks)
+    lead = max(profile.setup.glue_fwd_ms - after, 0.0) + blocks[first].walk_ms
+    return lead + sum(b.glue_after_ms + b.stand_in_ms for b in blocks[:first])
+
+
+def fit_outside_scale(profile: Profile, report: RunReport) -> tuple[float, dict[int, float]]:
+    """The factor by which the run's stages ran their glue and stand-ins over the profile.
+
+    Per stage, the excess is the measured forward before its first block less the one
+    predicted (the stage's predicted F less its blocks' F and the code after them, as
+    ``autopart.verify.attribution`` splits it); the factor is 1 + the summed excess over
+    the summed glue and stand-ins before the stages' first blocks (``lead_ms``),
+    clipped to ``OUTSIDE_SCALE_RANGE``.
+
+    Args:
+        profile: The profile the plan was made from.
+        report: The run report, with per-block rows (``RunReport.blocks``).
+
+    Returns:
+        The factor (1.0 where the report has no per-block rows or too little such code,
+        ``MIN_LEAD_MS``), and per stage the F the factor adds to its prediction: its
+        lead and its own blocks' code after them, times the factor less 1.
+    """
+    measured = {b.stage: b.measured_fwd_ms for b in report.blocks
+                if b.block == BlockTimer.OUTSIDE}
+    excess, lead, code = 0.0, 0.0, {}
+    for stage in report.stages:
+        covered = stage_blocks(profile, report, stage)
+        if stage.index not in measured or not covered:
+            return 1.0, {}
+        own_after = sum(w * profile.blocks[i].glue_after_ms for i, w in covered)
+        own = sum(w * profile.blocks[i].fwd_ms for i, w in covered) + own_after
+        stage_lead = lead_ms(profile, min(i for i, _ in covered))
+        excess += measured[stage.index] - max(stage.predicted_fwd_ms - own, 0.0)
+        lead += stage_lead
+        code[stage.index] = stage_lead + own_after
+    if lead < MIN_LEAD_MS:
+        return 1.0, {}
+    low, high = OUTSIDE_SCALE_RANGE
+    scale = min(max(1.0 + excess / lead, low), high)
+    return scale, {s: (scale - 1.0) * ms for s, ms in code.items()}
+
+
+def scaled_outside(profile: Profile, scale: float) -> Profile:
+    """``profile`` with its glue (before the first block, after each), stand-ins and
+    walks into split halves times ``scale``."""
+    if scale == 1.0:
+        return profile
+    blocks = tuple(dataclasses.replace(b, glue_after_ms=round(b.glue_after_ms * scale, 4),
+                                       stand_in_ms=round(b.stand_in_ms * scale, 4),
+                                       walk_ms=round(b.walk_ms * scale, 4))
+                   for b in profile.blocks)
+    setup = dataclasses.replace(profile.setup,
+                                glue_fwd_ms=round(profile.setup.glue_fwd_ms * scale, 4))
+    return dataclasses.replace(profile, blocks=blocks, setup=setup)
+
+
+def _vocab_part(profile: Profile, index: int) -> bool:
+    parts = profile.blocks[index].parts
+    return bool(parts) and parts[-1].axis == "vocab"
