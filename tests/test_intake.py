@@ -282,3 +282,35 @@ def test_substitute_swaps_stand_ins_in_the_glue_and_not_inside_paused_blocks():
     assert not mode._may_hold((other, 2), {"alpha": 1})
     assert mode._may_hold(([other, (stand_in,)],), {})
     assert mode._may_hold((), {"x": {"y": stand_in}})
+
+
+def test_substitute_from_first_add_enters_the_mode_only_once_there_is_a_swap():
+    """A stage's torch calls before its first received tensor (its stand-ins, the model's
+    code up to its first block) run outside the mode; from the first ``add`` on the glue
+    is swapped as before, and leaving restores the mode stack as it was."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from autopart.intake.forward import Substitute
+
+    class Counting(Substitute):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    stand_in, received, other = torch.zeros(2), torch.ones(2), torch.full((2,), 3.0)
+    mode = Counting()
+    outer = _get_current_function_mode_stack()
+    with mode.from_first_add():
+        assert torch.equal(stand_in + other, other)  # nothing received yet: not swapped
+        assert Counting.calls == 0
+        mode.add(stand_in, received)
+        assert torch.equal(stand_in + other, torch.full((2,), 4.0))
+        assert Counting.calls > 0
+        mode.add(other, received)  # entered once
+        assert _get_current_function_mode_stack() == [*outer, mode]
+    assert _get_current_function_mode_stack() == outer
+    with mode.from_first_add():  # never added to: never entered
+        assert _get_current_function_mode_stack() == outer
+    assert torch.equal(stand_in + other, torch.full((2,), 3.0))

@@ -126,10 +126,32 @@ class Substitute(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._deferred = False
+        self._entered = False
 
     def add(self, stand_in: torch.Tensor, received: torch.Tensor) -> None:
-        """From now on, ``received`` is used wherever ``stand_in`` was."""
+        """From now on, ``received`` is used wherever ``stand_in`` was (inside
+        ``from_first_add``, the mode is entered now if it was not yet)."""
         self.table[id(stand_in)] = (stand_in, received)  # the stand-in is kept: ids stay unique
+        if self._deferred and not self._entered:
+            self._entered = True
+            self.__enter__()
+
+    @contextlib.contextmanager
+    def from_first_add(self) -> Iterator[None]:
+        """The mode for what runs inside, entered at the first ``add`` rather than here:
+        until a received tensor replaces a stand-in there is nothing to swap, so the
+        torch calls before it (a later stage's stand-ins and the model's code up to its
+        first block, most of that stage's forward) do not pay for the mode. Left on
+        exit, where every context entered inside has been left."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+            if self._entered:
+                self._entered = False
+                self.__exit__(None, None, None)
 
     def swap(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with every stand-in replaced by its received tensor."""

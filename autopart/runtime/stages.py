@@ -231,7 +231,8 @@ class ForwardStage(Tree):
                     swaps.add(leaves[pos], received[slot])
             return swaps.swap(a, kw)
 
-        glue = swaps if self._reuse and received is not None else contextlib.nullcontext()
+        glue = swaps.from_first_add() if self._reuse and received is not None \
+            else contextlib.nullcontext()
         first = self._root.get_submodule(self._calls[self._first_call])
         receive = first.register_forward_pre_hook(swap_in, prepend=True, with_kwargs=True) \
             if received is not None else None
