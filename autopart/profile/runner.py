@@ -9,7 +9,6 @@ pipeline stage runs besides its blocks (``GlueTimes``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import time
@@ -55,7 +54,7 @@ class ForwardRunner:
         self.labels = torch.randint(0, vocab, (micro_batch_size, seq_len))
 
     def run(self, visit: Visit, clock: Callable[[], float] | None = None,
-            grad: bool = False, mode_in_calls: bool = False) -> tuple[float, float]:
+            grad: bool = False) -> tuple[float, float]:
         """Call ``visit(call_idx, module, args, kwargs)`` for each block call, in order.
 
         ``visit`` returns the call's output as the model's code should see it (on
@@ -63,8 +62,8 @@ class ForwardRunner:
         before the calls are routed and just after they are restored (0, 0 without a
         clock): the span a pipeline stage's forward takes. ``grad``: the model's own code
         records its graph too (else only the calls do). The model's code runs under
-        ``KeepOffMeta``; ``visit`` runs outside it, as a stage runs its own blocks,
-        unless ``mode_in_calls`` (a stage's stand-ins run under its ``Substitute``).
+        ``KeepOffMeta``; ``visit`` runs outside it, as a stage runs its own blocks and
+        the stand-ins before its first received tensor.
         """
         args, kwargs = example_inputs(self.model, self.chain.call_fqns, self.micro_batch_size,
                                       self.seq_len, self.glue_device, self.dtype)
@@ -73,8 +72,7 @@ class ForwardRunner:
         keep = KeepOffMeta()  # for the model's code: the visitor runs blocks outside it
 
         def handler(idx: int, module: nn.Module, original: Any, a: tuple, kw: dict) -> Any:
-            with torch.enable_grad(), \
-                    (contextlib.nullcontext() if mode_in_calls else keep.paused()):
+            with torch.enable_grad(), keep.paused():
                 out = visit(idx, module, a, kw)
             return out
 
@@ -114,10 +112,11 @@ class ForwardRunner:
                 stand_ins[idx] = StandIn(module, shapes)
             return stand_ins[idx](args, kwargs, self.glue_device)
 
-        # the first run learns every stand-in's shapes on meta; a stage runs its
-        # stand-ins under a torch-function mode (``Substitute``), so they are timed under one
-        self._timed_forward(stand_in, mode_in_calls=True)
-        stood = [self._timed_forward(stand_in, mode_in_calls=True) for _ in range(num_repeats)]
+        # the first run learns every stand-in's shapes on meta; a stage runs its stand-ins
+        # outside any torch-function mode (its ``Substitute`` is entered at the first
+        # received tensor, ``Substitute.from_first_add``), so they are timed outside one
+        self._timed_forward(stand_in)
+        stood = [self._timed_forward(stand_in) for _ in range(num_repeats)]
         total = statistics.median(r.total_ms for r in recorded)
         return GlueTimes(
             total_ms=total, after_call_bytes=self._glue_saved_bytes(outputs),
@@ -157,9 +156,8 @@ class ForwardRunner:
             self.run(visit, grad=True)
         return tuple(saved)
 
-    def _timed_forward(self, answer: Visit, mode_in_calls: bool = False) -> _TimedForward:
-        """One forward with every call answered by ``answer``; its times (see ``time_glue``;
-        ``mode_in_calls``: see ``run``)."""
+    def _timed_forward(self, answer: Visit) -> _TimedForward:
+        """One forward with every call answered by ``answer``; its times (see ``time_glue``)."""
         n = len(self.chain.call_fqns)
         spans: list[tuple[int, float, float]] = []  # (call, enter, leave) in call order
         clock = time.perf_counter
@@ -174,8 +172,7 @@ class ForwardRunner:
             spans.append((idx, enter, clock()))
             return out
 
-        start, end = self.run(visit, clock=lambda: (sync(), clock())[1],
-                              mode_in_calls=mode_in_calls)
+        start, end = self.run(visit, clock=lambda: (sync(), clock())[1])
         after, call = [0.0] * n, [0.0] * n  # calls never made (a split's C) keep 0
         for k, (idx, enter, leave) in enumerate(spans):
             after[idx] = 1e3 * ((spans[k + 1][1] if k + 1 < len(spans) else end) - leave)
