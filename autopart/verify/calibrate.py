@@ -81,7 +81,7 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     """
     _check(profile, report, plan)
     scale, added = fit_outside_scale(profile, report)
-    profile_in, profile = profile, scaled_outside(profile, scale)
+    profile = scaled_outside(profile, scale)
     blocks = list(profile.blocks)
     factors = []
     shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
@@ -101,7 +101,7 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         total = sum(weight for weight, _ in parts)
         mean = {key: sum(weight * r[key] for weight, r in parts) / total for key in parts[0][1]}
         blocks[i] = _scaled(blocks[i], mean)
-    previous = [profile_in.calibration] if profile_in.calibration else []
+    previous = [profile.calibration] if profile.calibration else []
     record = {"source": source, "plan_digest": report.plan_digest,
               "schedule": report.schedule, "device": report.device,
               "predicted_step_ms": report.predicted_step_ms,

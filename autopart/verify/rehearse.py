@@ -7,8 +7,10 @@ check's stages that compute little; the cause of the first is not found
 (``docs/timing-sweep.md``). ``rehearse`` therefore runs what a user would verify first:
 the model's even split under 1F1B, ``2 x pp`` microbatches, a few steps on the ranks the
 profile was taken for (``verify_plan``), and folds the run into the profile
-(``calibrate_profile``): every block of a stage scaled by the stage's measured /
-predicted F and B, and the price per post at which the run's step is predicted. A second
+(``calibrate_profile``): the model's glue and stand-ins scaled by how much slower the
+stages ran them (``autopart.verify.outside``), every block of a stage by the stage's
+measured / predicted F and B, and the price per post at which the run's step is
+predicted. A second
 run, the even split under Interleaved 1F1B (v 2), prices the posts of torch's action
 runtime (every multi-stage schedule) the same way, as the first cannot: its posts cost
 more, and the machine check's difference between the two kinds does not hold on a real
