@@ -632,9 +632,12 @@ def _glued(profile):
         profile.setup, glue_fwd_ms=0.05 * len(blocks) + 0.3))
 
 
-def _run_with_outside(profile, plan, outside: float, blocks: float) -> RunReport:
+def _run_with_outside(profile, plan, outside: float, blocks: float | dict[str, float]
+                      ) -> RunReport:
     """A run in which the model's code outside the blocks (glue, stand-ins) ran ``outside``
-    x its profile and the blocks ``blocks`` x theirs, split block by block."""
+    x its profile and the blocks ``blocks`` x theirs (by name: 1 where not named), split
+    block by block."""
+    speed = blocks if isinstance(blocks, dict) else {}
     from autopart.verify.outside import lead_ms
 
     index = {b.name: i for i, b in enumerate(profile.blocks)}
@@ -646,8 +649,8 @@ def _run_with_outside(profile, plan, outside: float, blocks: float) -> RunReport
         rows = [(stage.index, OUTSIDE, stage.fwd_ms - sum(b.fwd_ms + b.glue_after_ms
                                                           for b in own)
                  + (outside - 1) * lead)]
-        rows += [(stage.index, n, blocks * b.fwd_ms + outside * b.glue_after_ms)
-                 for n, b in zip(stage.modules, own)]
+        rows += [(stage.index, n, speed.get(n, 1.0 if speed else blocks) * b.fwd_ms
+                  + outside * b.glue_after_ms) for n, b in zip(stage.modules, own)]
         measured_f = sum(ms for *_, ms in rows)
         base = _rank_result(plan, rank, measured_f / (1.5 * stage.fwd_ms))  # median: 1.5x
         steps = tuple(tuple(r for _ in range(plan.num_microbatches) for r in rows)
@@ -714,3 +717,23 @@ def test_pooled_report_pools_each_blocks_forward(profile):
     for a, b in zip(one.blocks, pooled.blocks):
         assert (b.stage, b.block) == (a.stage, a.block)
         assert b.measured_fwd_ms == pytest.approx(2 * a.measured_fwd_ms, abs=1e-3)
+
+
+def test_each_block_keeps_its_own_speed_when_a_plan_moves_it(profile):
+    """Stage 1's layers ran at their profile and its head at 2x: the rows share the
+    stage's factor out, so the head alone is slowed and a plan that moves
+    ``model.layers.2`` onto stage 0 prices it at its own speed, not at the head's; the
+    same cuts planned again still predict each stage's measured F."""
+    glued = _glued(profile)
+    planned = make_plan(glued, pp_size=2, num_microbatches=4, schedule="1f1b",
+                        cuts=("model.layers.1",))
+    run = _run_with_outside(glued, planned, outside=1.0, blocks={"lm_head": 2.0})
+    calibrated = calibrate_profile(glued, run, planned)
+    was, now = ({b.name: b.fwd_ms for b in p.blocks} for p in (glued, calibrated))
+    assert now["model.layers.2"] == pytest.approx(was["model.layers.2"], rel=1e-3)
+    assert now["lm_head"] == pytest.approx(2 * was["lm_head"], rel=1e-3)
+    assert now["model.layers.0"] == pytest.approx(was["model.layers.0"], rel=1e-3)
+    again = make_plan(calibrated, pp_size=2, num_microbatches=4, schedule="1f1b",
+                      cuts=tuple(planned.pipeline_cuts))
+    for stage, measured in zip(again.stages, run.stages):
+        assert stage.fwd_ms == pytest.approx(measured.measured_fwd_ms, rel=1e-3)

@@ -1,8 +1,10 @@
 """Fold measured stage times back into a profile, so the next plan uses what really ran.
 
 Every block of a stage is scaled by one factor per kind of time: ``fwd_ms`` by the
-forward's, ``bwd_input_ms`` and ``bwd_weight_ms`` by the B and W factors under
-split-backward schedules, else both by the full backward's (``bwd_ms`` follows). A
+forward's (shared out between the blocks as the run's per-block rows say they ran,
+``autopart.verify.outside.block_shares``), ``bwd_input_ms`` and ``bwd_weight_ms`` by
+the B and W factors under split-backward schedules, else both by the full backward's
+(``bwd_ms`` follows). A
 stage's prediction is its blocks plus what it pays outside them (the runtime's per-action
 cost, the model's glue and stand-ins: ``autopart.cost.stage``), which calibration leaves
 as they are, but for the model's code outside the blocks (glue and stand-ins), which
@@ -40,7 +42,7 @@ from autopart.errors import SchemaError
 from autopart.schedules import schedule_info
 from autopart.schema import BlockProfile, Plan, Profile, RuntimeOverhead
 from autopart.verify.coverage import covered_blocks, stage_blocks
-from autopart.verify.outside import fit_outside_scale, scaled_outside
+from autopart.verify.outside import block_shares, fit_outside_scale, scaled_outside
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
 __all__ = ["calibrate_profile", "fit_count_pass", "fit_post_price", "post_field"]
@@ -93,8 +95,9 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         ratio = _ratios(stage, own, added.get(stage.index, 0.0))
         changes[stage.index] = {key: (ratio[key] - 1) * own[key] for key in own}
         changes[stage.index]["fwd"] += added.get(stage.index, 0.0)
+        speed = block_shares(profile, report, stage)
         for i, weight in covered:
-            shares.setdefault(i, []).append((weight, ratio))
+            shares.setdefault(i, []).append((weight, {**ratio, "fwd": ratio["fwd"] * speed[i]}))
         factors.append({"stage": stage.index, "first_block": stage.modules[0],
                         "last_block": stage.modules[-1], **ratio})
     for i, parts in shares.items():

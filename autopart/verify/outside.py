@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.coverage import stage_blocks
-from autopart.verify.instrument import BlockTimer
-from autopart.verify.report import RunReport
+from autopart.verify.coverage import covered_blocks, stage_blocks
+from autopart.verify.instrument import BlockTimer, block_module_name
+from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["OUTSIDE_SCALE_RANGE", "fit_outside_scale", "lead_ms", "scaled_outside"]
+__all__ = ["OUTSIDE_SCALE_RANGE", "block_shares", "fit_outside_scale", "lead_ms",
+           "scaled_outside"]
 
 OUTSIDE_SCALE_RANGE = (0.5, 4.0)
 """The factors a fit may give; outside it the rows measure something else (a stage
@@ -104,6 +105,51 @@ def scaled_outside(profile: Profile, scale: float) -> Profile:
     setup = dataclasses.replace(profile.setup,
                                 glue_fwd_ms=round(profile.setup.glue_fwd_ms * scale, 4))
     return dataclasses.replace(profile, blocks=blocks, setup=setup)
+
+
+def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dict[int, float]:
+    """How fast each block of ``stage`` ran against its profile, relative to the stage's
+    blocks together, from the run's per-block rows.
+
+    A row (a block, or all parts of one module: a head's shards) runs from its start to
+    the next row's, so it holds the block's forward and the model's code after it (as
+    ``profile`` prices it, scaled by ``fit_outside_scale``); its blocks ran (row - that
+    code) / their profiled forward. Blocks without a row (a stage starting inside the head) run
+    at the stage's mean. The shares are normalized so that the stage's blocks keep their
+    profiled forward in sum: the stage's factor (``calibrate_profile``) sets the stage's
+    total, the shares only divide it, so a plan that moves a block to another stage
+    takes the block's own speed along, not the factor of the stage it left (the
+    heavy-head Llama's layers, run beside its head, took the head's factor).
+
+    Args:
+        profile: The profile, with the outside scale applied (``scaled_outside``).
+        report: The run report, with per-block rows.
+        stage: One of ``report.stages``.
+
+    Returns:
+        Block index -> its share (1.0 everywhere without rows).
+    """
+    rows = {b.block: b.measured_fwd_ms for b in report.blocks if b.stage == stage.index
+            and b.block != BlockTimer.OUTSIDE}
+    groups: dict[str, list[tuple[int, float]]] = {}
+    for name in stage.modules:
+        parts = tuple(report.parts.get(name, ()))
+        weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
+        groups.setdefault(block_module_name(name), []).extend(
+            (i, weight) for i in covered_blocks(profile, name, parts))
+    speed: dict[int, float] = {}
+    for row, covered in groups.items():
+        fwd = sum(w * profile.blocks[i].fwd_ms for i, w in covered)
+        glue = sum(w * profile.blocks[i].glue_after_ms for i, w in covered)
+        if row in rows and fwd > 0 and rows[row] - glue > 0:
+            speed.update({i: (rows[row] - glue) / fwd for i, _ in covered})
+    covered = [(i, w) for c in groups.values() for i, w in c]
+    timed = sum(w * profile.blocks[i].fwd_ms for i, w in covered if i in speed)
+    if timed <= 0:
+        return {i: 1.0 for i, _ in covered}
+    mean = sum(w * profile.blocks[i].fwd_ms * speed[i] for i, w in covered if i in speed) \
+        / timed  # the stage's blocks ran mean x their forward: each share is its own / that
+    return {i: speed.get(i, mean) / mean for i, _ in covered}
 
 
 def _vocab_part(profile: Profile, index: int) -> bool:
