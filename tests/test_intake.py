@@ -253,10 +253,8 @@ def test_reading_a_parameter_dtype_between_blocks_is_allowed():
     assert discover_blocks(Head()).names == ["layers.0", "layers.1", "out"]
 
 
-def test_substitute_swaps_stand_ins_in_the_glue_and_not_inside_paused_blocks():
-    """The mode replaces a stand-in by its received tensor in every torch call of the glue
-    (also inside lists and dicts), looks at nothing else, and stays out of a block's own
-    calls while paused (the runtime swaps a block's arguments itself)."""
+def _counting_substitute() -> type:
+    """A ``Substitute`` that counts the torch calls it sees (on its class, fresh each call)."""
     from autopart.intake.forward import Substitute
 
     class Counting(Substitute):
@@ -266,6 +264,14 @@ def test_substitute_swaps_stand_ins_in_the_glue_and_not_inside_paused_blocks():
             Counting.calls += 1
             return super().__torch_function__(func, types, args, kwargs)
 
+    return Counting
+
+
+def test_substitute_swaps_stand_ins_in_the_glue_and_not_inside_paused_blocks():
+    """The mode replaces a stand-in by its received tensor in every torch call of the glue
+    (also inside lists and dicts), looks at nothing else, and stays out of a block's own
+    calls while paused (the runtime swaps a block's arguments itself)."""
+    Counting = _counting_substitute()
     stand_in, received, other = torch.zeros(2), torch.ones(2), torch.full((2,), 3.0)
     mode = Counting()
     mode.add(stand_in, received)
@@ -290,15 +296,7 @@ def test_substitute_from_first_add_enters_the_mode_only_once_there_is_a_swap():
     is swapped as before, and leaving restores the mode stack as it was."""
     from torch.overrides import _get_current_function_mode_stack
 
-    from autopart.intake.forward import Substitute
-
-    class Counting(Substitute):
-        calls = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            Counting.calls += 1
-            return super().__torch_function__(func, types, args, kwargs)
-
+    Counting = _counting_substitute()
     stand_in, received, other = torch.zeros(2), torch.ones(2), torch.full((2,), 3.0)
     mode = Counting()
     outer = _get_current_function_mode_stack()
