@@ -21,6 +21,7 @@ from autopart.schema import Plan, Profile, RuntimeOverhead, TrainingSetup
 from autopart.simulate import simulate_plan
 from autopart.solve import make_plan
 from autopart.verify import machine
+from autopart.verify.machine_runtime import MIN_POST_MS
 
 OVERHEAD = RuntimeOverhead(fwd_action_ms=0.5, bwd_action_ms=0.25, p2p_ms=0.125, step_ms=2.0,
                            link_latency_ms=0.05, link_bandwidth_bytes_per_s=2e9,
@@ -123,6 +124,8 @@ def test_fit_runtime_posts_and_all_reduce():
     assert posts == pytest.approx(0.25)
     assert bandwidth == pytest.approx(28 * 2**20 / 21e-3)
     assert latency == pytest.approx(1.0)
+    shrank = {"4": {"rest": [5.0], "posts": 24}, "8": {"rest": [4.8], "posts": 48}}  # noise
+    assert machine.fit_runtime([{**rank, "runtime": shrank}] * 2)[0] == MIN_POST_MS > 0
     old = {"fwd": [0.3], "bwd": [0.5], "rest": {"2": [3.0], "8": [6.0]}, "module_fwd": 0.1,
            "module_bwd": 0.2, "link": {"small_ms": 0.05, "large_ms": 2.05,
                                        "large_bytes": 4 * 2**20}}

@@ -149,10 +149,17 @@ def timed_method(owner: Any, name: str, into: list[float]) -> Callable[[], None]
     return undo
 
 
+MIN_POST_MS = 0.001
+"""The price per post recorded where the rest did not grow with the posts on any rank
+(a host's noise over a few steps): measured, below what the check resolves. 0 stays
+``RuntimeOverhead``'s "not measured", which charges such schedules ``p2p_ms``."""
+
+
 def fit_runtime(raw: list[dict[str, Any]]) -> tuple[float, float, float]:
     """``(runtime_p2p_ms, allreduce_latency_ms, allreduce_bandwidth_bytes_per_s)`` from
     both ranks' timings: the growth of the rest per post between the two counts (median
-    over the ranks), and the line through the two all-reduce sizes (rank 0)."""
+    over the ranks, at least ``MIN_POST_MS``), and the line through the two all-reduce
+    sizes (rank 0)."""
     low, high = (str(m) for m in RUNTIME_COUNTS)
     slopes = []
     for r in raw:
@@ -165,7 +172,7 @@ def fit_runtime(raw: list[dict[str, Any]]) -> tuple[float, float, float]:
     extra_ms = max(times[str(large)] - times[str(small)], 1e-6)
     bandwidth = (large - small) * 2**20 / (extra_ms / 1e3)
     latency = max(times[str(small)] - 1e3 * small * 2**20 / bandwidth, 0.0)
-    return statistics.median(slopes), latency, bandwidth
+    return max(statistics.median(slopes), MIN_POST_MS), latency, bandwidth
 
 
 def sync(device: torch.device) -> None:
