@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopart.schema import Profile
-from autopart.verify.coverage import covered_blocks
+from autopart.verify.coverage import named_blocks
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport
 
@@ -65,10 +65,8 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
     for stage in report.stages:
         total = 0.0
         for name in stage.modules:
-            parts = tuple(report.parts.get(name, ()))
-            share = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
-            ms = share * sum(profile.blocks[i].fwd_ms + profile.blocks[i].glue_after_ms
-                             for i in covered_blocks(profile, name, parts))
+            ms = sum(w * (profile.blocks[i].fwd_ms + profile.blocks[i].glue_after_ms)
+                     for i, w in named_blocks(profile, report, name))
             key = (stage.index, block_module_name(name))
             predicted[key] = predicted.get(key, 0.0) + ms
             total += ms

@@ -11,7 +11,7 @@ from __future__ import annotations
 from autopart.schema import Part, Profile
 from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["covered_blocks", "stage_blocks"]
+__all__ = ["covered_blocks", "named_blocks", "stage_blocks"]
 
 
 def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
@@ -35,9 +35,12 @@ def stage_blocks(profile: Profile, report: RunReport,
     """``(block index, weight)`` of every profile block ``stage`` ran: a part of a module's
     call derived by count (a head shard, a unit slice) runs ``1 / count`` of each of the
     module's blocks, anything else all of them."""
-    covered = []
-    for name in stage.modules:
-        parts = tuple(report.parts.get(name, ()))
-        weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
-        covered += [(i, weight) for i in covered_blocks(profile, name, parts)]
-    return covered
+    return [c for name in stage.modules for c in named_blocks(profile, report, name)]
+
+
+def named_blocks(profile: Profile, report: RunReport, name: str) -> list[tuple[int, float]]:
+    """``(block index, weight)`` of every profile block the run's block ``name`` ran
+    (``stage_blocks``' rule for one block of a stage)."""
+    parts = tuple(report.parts.get(name, ()))
+    weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
+    return [(i, weight) for i in covered_blocks(profile, name, parts)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.coverage import covered_blocks, stage_blocks
+from autopart.verify.coverage import named_blocks, stage_blocks
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport, StageReport
 
@@ -133,10 +133,8 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
             and b.block != BlockTimer.OUTSIDE}
     groups: dict[str, list[tuple[int, float]]] = {}
     for name in stage.modules:
-        parts = tuple(report.parts.get(name, ()))
-        weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
         groups.setdefault(block_module_name(name), []).extend(
-            (i, weight) for i in covered_blocks(profile, name, parts))
+            named_blocks(profile, report, name))
     speed: dict[int, float] = {}
     for row, covered in groups.items():
         fwd = sum(w * profile.blocks[i].fwd_ms for i, w in covered)
