@@ -2,12 +2,15 @@
 
 Recomputation must not change a single gradient (exact fp32 equality with the
 unpipelined model, also under zero-bubble split backward); bf16 autocast must
-match the unpipelined model under the same autocast to bf16 precision; weights
+match the unpipelined model under the same autocast to bf16 precision, and a plan
+priced in bf16 run without a dtype the unpipelined model cast to bf16; weights
 read from an HF safetensors directory (tied head missing from the file) must give
 the reference gradients.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, run_r
 
 from autopart.intake import discover_blocks, load_model
 from autopart.runtime import auto_pipeline
+from autopart.schema import PRECISIONS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -70,6 +74,26 @@ def _worker(rank: int, world_size: int, hf_dir: str) -> dict:
     pipe.load_state_dict(state)
     out["bf16"] = _step(pipe, batch, bf16_grads) | {"ref_loss": bf16_loss}
     out["bf16"]["grad_scale"] = max(g.abs().max().item() for g in bf16_grads.values())
+
+    # a plan priced in bf16 (profiled with --dtype bfloat16) runs its blocks in bf16 when
+    # no dtype is given: the reference is the same model cast to bf16
+    plan = dataclasses.replace(plan, setup=dataclasses.replace(
+        plan.setup, **PRECISIONS["bf16"]))
+    pipe = auto_pipeline("tiny-llama", plan=plan, device="cpu")
+    pipe.load_state_dict(state)
+    bf16_model = load_model("tiny-llama").model
+    init_real(bf16_model)
+    bf16_model.load_state_dict(state)
+    bf16_model.to(torch.bfloat16)
+    bf16_model.model.rotary_emb.float()  # outside the blocks: the stages keep it as built
+    input_ids, mask, labels = batch
+    ref = bf16_model(input_ids=input_ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    plain = {n: p.grad.float() for n, p in bf16_model.named_parameters()}
+    out["bf16 plan"] = _step(pipe, batch, plain) | {
+        "ref_loss": ref.loss.item(), "grad_scale": max(g.abs().max().item()
+                                                       for g in plain.values()),
+        "dtypes": sorted({str(p.dtype) for p in pipe.parameters()})}
 
     _, tied_loss, tied_grads = _reference("tiny-llama-tied", batch)
     tied_chain = discover_blocks(load_model("tiny-llama-tied").model)
@@ -127,8 +151,9 @@ def test_recompute_autocast_safetensors_init_fn(tmp_path):
                 ref = r[key].get("ref_loss", r["ref_loss"])
                 assert abs(r[key]["loss"] - ref) < TOL, (key, r[key])
     for r in results:  # bf16: a few ulps of bf16 relative to the largest gradient
-        bf16 = r["bf16"]
-        assert bf16["max_grad_diff"] < 2e-2 * bf16["grad_scale"], bf16
-        if bf16["loss"] is not None:
-            assert abs(bf16["loss"] - bf16["ref_loss"]) < 2e-2, bf16
+        for bf16 in (r["bf16"], r["bf16 plan"]):
+            assert bf16["max_grad_diff"] < 2e-2 * bf16["grad_scale"], bf16
+            if bf16["loss"] is not None:
+                assert abs(bf16["loss"] - bf16["ref_loss"]) < 2e-2, bf16
+        assert r["bf16 plan"]["dtypes"] == ["torch.bfloat16"], r["bf16 plan"]
         assert r["init_fn"]["calls"] in (3, 4) and r["init_fn"]["all_half"], r["init_fn"]

@@ -160,6 +160,18 @@ def test_nproc_must_match_plan(files, capsys):
     assert "--nproc is 3" in err and "pp 2 x dp 1 x tp 1 = 2 ranks" in err
 
 
+def test_more_ranks_than_gpus_is_refused_up_front(files, capsys, monkeypatch):
+    """Two nccl ranks on one GPU fail inside NCCL: one line before any rank starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["verify", str(files["plan"]), "--model", "tiny-llama"]) == 2
+    err = _one_line_error(capsys)
+    assert "runs 2 ranks on this machine but it has 1 GPU(s)" in err
+    assert "CUDA_VISIBLE_DEVICES=" in err
+
+
 @pytest.mark.parametrize("mesh", [{"tp_size": 2}, {"dp_size": 2}])
 def test_mesh_plans_need_their_whole_mesh(files, capsys, mesh):
     """A tp or dp plan runs on pp x dp x tp ranks: --nproc 2 is refused up front."""

@@ -55,6 +55,10 @@ def materialize_rank(root: nn.Module, chain: BlockChain, mine: list[StagePlan],
              for fqn in blocks[name].fqns]
     owned = list(dict.fromkeys(owned))  # stages of one rank may share the split head
     fqns = [fqn for _, fqn in owned]
+    if kwargs.get("dtype") is not None:  # the others too: their stand-ins answer in it
+        for fqn in dict.fromkeys(f for b in chain.blocks for f in b.fqns):
+            if fqn not in fqns:
+                root.get_submodule(fqn).to(kwargs["dtype"])
     module = prune(root, [*fqns, *chain.shared_modules])
     materialize_blocks(root, owned, device=device, **kwargs)
     move_outside_blocks(root, chain.call_fqns, device)

@@ -78,6 +78,7 @@ def verify_plan(plan: Plan | str | Path, settings: RunSettings, *,
                                 f"x dp {plan_obj.dp_size} x tp {plan_obj.tp_size} = {mesh} "
                                 f"ranks; run {mesh} ranks")
     _check_model_matches(plan_obj, settings.model)
+    _check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", world)) if in_place else world)
     if in_place:
         return _run_in_place(plan_obj, settings, progress)
     return _spawn(plan_obj, settings, world, progress)
@@ -267,6 +268,17 @@ def _rank_error(tmp: Path, exc: Exception) -> AutopartError:
                                  f"--debug -v for the traceback")
     return RuntimeSetupError(f"a rank failed ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[-1] if str(exc) else ''})")
+
+
+def _check_gpus(local_ranks: int) -> None:
+    """One rank per GPU under nccl: two ranks on one GPU fail inside NCCL's first
+    collective, so say so before any rank starts."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < local_ranks:
+        raise RuntimeSetupError(
+            f"the plan runs {local_ranks} ranks on this machine but it has "
+            f"{torch.cuda.device_count()} GPU(s), one per rank under nccl; verify on a "
+            f"machine with {local_ranks} GPUs (or across machines under torchrun), or on "
+            f"CPU with CUDA_VISIBLE_DEVICES= (gloo)")
 
 
 def _device(local_rank: int) -> torch.device:
