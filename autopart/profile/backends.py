@@ -172,7 +172,8 @@ class CUDABackend(Backend):
 
     With ``flush="llc"`` every timed call starts with a cold L2, as in Triton's
     ``do_bench``: a buffer of twice the L2 (``torch.cuda.get_device_properties``) is
-    zeroed before the start event, outside the timed region. Not yet run on a GPU.
+    zeroed before the start event, outside the timed region (run on an H200:
+    ``scripts/cuda_check.py``).
     """
 
     name = "cuda"
