@@ -7,6 +7,7 @@ computation; the figures are compared with the analytical backend's.
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import pytest
@@ -112,7 +113,8 @@ def test_last_level_cache_falls_back_where_sysfs_says_nothing(monkeypatch):
 
 def test_cuda_l2_flush_is_twice_the_l2_and_runs_before_the_start_event(monkeypatch):
     """No GPU here: the flush's size comes from the device properties, and ``time`` zeroes
-    the buffer before recording the start event (events and buffer stand-ins log order)."""
+    the buffer and queues the GPU spin before recording the start event (events, spin and
+    buffer stand-ins log order)."""
     from types import SimpleNamespace
 
     from autopart.profile import backends
@@ -136,17 +138,23 @@ def test_cuda_l2_flush_is_twice_the_l2_and_runs_before_the_start_event(monkeypat
             return 1.5
 
     monkeypatch.setattr(backends.torch.cuda, "Event", Event)
+    monkeypatch.setattr(backends.torch.cuda, "_sleep", lambda n: order.append(f"spin {n}"))
     backend = object.__new__(backends.CUDABackend)
     backend.flush_bytes = 8
+    backend._lead_cycles = 100
     backend._flush = SimpleNamespace(zero_=lambda: order.append("flush"))
     ms, out = backend.time(lambda: order.append("fn") or 3)
     assert (ms, out) == (1.5, 3)
-    assert order == ["flush", "start recorded", "fn", "end recorded", "end synchronized"]
+    assert order == ["flush", "spin 100", "start recorded", "fn", "end recorded",
+                     "end synchronized"]
     order.clear()
     made.clear()
     backend.flush_bytes = 0
     backend.time(lambda: order.append("fn"))
     assert "flush" not in order
+    made.clear()  # a call the host queues slower than the GPU runs it costs the host's time
+    ms, _ = backend.time(lambda: time.sleep(0.005))
+    assert ms >= 5.0
 
 
 def test_cpu_backend_without_flush_writes_nothing():
