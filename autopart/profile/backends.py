@@ -175,14 +175,11 @@ class CUDABackend(Backend):
     zeroed before the start event, outside the timed region (run on an H200:
     ``scripts/cuda_check.py``).
 
-    A call is timed as a pipeline stage runs it, with the host ahead of the GPU: a GPU
-    spin (``torch.cuda._sleep``, ``LEAD_MS``) is queued before the start event, so the
-    call's kernels are queued while it spins and run back to back; the time is the
-    larger of that GPU span and the host's time to queue them (a call the host cannot
-    feed fast enough costs that). Timed from an idle GPU, a 1B Llama's projection
-    blocks each paid the host's start of queueing again: their backward summed 69.6 ms
-    against 56.9 inside a one-rank step on an H200, and a decoder layer alone ran
-    1.54 ms forward, 2.84 backward, against 1.34 and 2.70 per layer in a chain of 16.
+    A call is timed with the host ahead of the GPU, as a stage runs it: a GPU spin
+    (``torch.cuda._sleep``, ``LEAD_MS``) queued before the start event lets the host
+    queue the call's kernels; the time is the larger of the GPU span and the host's
+    queueing time (docs/timing-sweep.md, "CUDA on one H200": from an idle GPU each
+    projection block paid the host's start again).
     """
 
     name = "cuda"
