@@ -105,7 +105,7 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     opts = RuntimeOptions.of(options, **fields)
     setup = _checked_setup(model_or_source, plan, loss_fn, opts,
                            AutoOptions(plan_options, profile_options))
-    pipelined = _assemble(setup, dtype=_block_dtype(opts, setup.plan),
+    pipelined = _assemble(setup, dtype=_block_dtype(opts, setup.plan, setup.root),
                           param_init_fn=opts.param_init_fn,
                           checkpoint_path=opts.checkpoint_path, init_seed=opts.init_seed,
                           autocast_dtype=opts.autocast_dtype)
@@ -114,13 +114,16 @@ def auto_pipeline(model_or_source: nn.Module | str, *, plan: Plan | str | Path,
     return pipelined
 
 
-def _block_dtype(opts: RuntimeOptions, plan: Plan) -> torch.dtype | None:
+def _block_dtype(opts: RuntimeOptions, plan: Plan, root: nn.Module) -> torch.dtype | None:
     """``opts.dtype``; without it and without autocast, the plan's parameter dtype (the
-    profile's): a plan priced in bf16 runs in bf16 on a model built in fp32 from its
-    config (on an H200 such a run took 3.6x the plan's step and 2.3x its memory)."""
+    profile's) where it is narrower than the model's: a plan priced in bf16 runs in bf16
+    on a model built in fp32 from its config (on an H200 such a run took 3.6x the plan's
+    step and 2.3x its memory). A model already narrower than its plan keeps its dtype."""
     if opts.dtype is not None or opts.autocast_dtype is not None:
         return opts.dtype
-    return TORCH_DTYPES[plan.setup.param_dtype]
+    planned = TORCH_DTYPES[plan.setup.param_dtype]
+    model = next((p.dtype for p in root.parameters() if p.is_floating_point()), planned)
+    return planned if planned.itemsize < model.itemsize else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

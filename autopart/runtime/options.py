@@ -33,7 +33,8 @@ class RuntimeOptions:
     """``param_init_fn(block)`` initializes a materialized block."""
     dtype: torch.dtype | None = None
     """Cast the blocks to this dtype (default: the plan's parameter dtype, the dtype its
-    profile measured in, unless ``autocast_dtype`` is given: then the model's own)."""
+    profile measured in, where it is narrower than the model's and no ``autocast_dtype``
+    is given; else the model's own)."""
     activation_checkpointing: bool | str | None = None
     """``"plan"`` (the stages the plan marks), ``True`` (every stage) or ``None``."""
     checkpoint_path: str | Path | None = None
