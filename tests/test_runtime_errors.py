@@ -92,3 +92,22 @@ def test_one_rank_pipeline_matches_unpipelined(one_rank):
     assert len(diffs) == len(ref_grads) and max(diffs.values()) < 1e-5
     assert pipe.is_first and pipe.is_last
     assert sum(pipe.stage_param_counts().values()) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("plan_dtype", "model_dtype", "given", "expected"), [
+    ("bfloat16", torch.float32, {}, torch.bfloat16),  # built fp32 from a config: narrowed
+    ("float32", torch.bfloat16, {}, None),  # already narrower than its plan: kept
+    ("float32", torch.float32, {}, None),
+    ("bfloat16", torch.float32, {"autocast_dtype": torch.bfloat16}, None),
+    ("bfloat16", torch.float32, {"dtype": torch.float16}, torch.float16),
+])
+def test_blocks_run_in_the_plans_dtype_where_it_is_narrower(plan_dtype, model_dtype, given,
+                                                              expected):
+    from types import SimpleNamespace
+
+    from autopart.runtime.builder import _block_dtype
+    from autopart.runtime.options import RuntimeOptions
+
+    plan = SimpleNamespace(setup=SimpleNamespace(param_dtype=plan_dtype))
+    assert _block_dtype(RuntimeOptions(**given), plan,
+                        nn.Linear(2, 2, device="meta", dtype=model_dtype)) == expected
