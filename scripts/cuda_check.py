@@ -139,7 +139,7 @@ def env_line() -> str:
     """Torch, GPU, L2 and the flush autopart writes."""
     import torch
 
-    from autopart.profile.backends import l2_flush_bytes
+    from autopart.profile.cuda_backend import l2_flush_bytes
 
     props = torch.cuda.get_device_properties(0)
     return (f"torch {torch.__version__}, {props.name}, {props.multi_processor_count} SMs, "

@@ -117,7 +117,7 @@ def test_cuda_l2_flush_is_twice_the_l2_and_runs_before_the_start_event(monkeypat
     buffer stand-ins log order)."""
     from types import SimpleNamespace
 
-    from autopart.profile import backends
+    from autopart.profile import cuda_backend as backends
 
     assert backends.l2_flush_bytes(SimpleNamespace(L2_cache_size=50 << 20)) == 100 << 20
     assert backends.l2_flush_bytes(SimpleNamespace()) == 256 << 20

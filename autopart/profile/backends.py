@@ -3,9 +3,9 @@
 * ``cpu``: ``time.perf_counter`` around each call, the caches flushed before it
   (``CPUBackend``); memory from saved-tensor hooks
   and a live-tensor dispatch mode (``autopart.profile.memory``).
-* ``cuda``: CUDA events around each call (GPU time, no host sync inside the region);
-  saved activations from saved-tensor hooks, transient workspace from the caching
-  allocator (``reset_peak_memory_stats`` / ``max_memory_allocated``).
+* ``cuda``: CUDA events around each call, the host queueing ahead of the GPU
+  (``autopart.profile.cuda_backend``); saved activations from saved-tensor hooks,
+  transient workspace from the caching allocator.
 * ``xla``: ``xm.mark_step()`` (``torch_xla.sync()``) + ``xm.wait_device_ops()``
   closes each timed region; each block is compiled by its warm-up run, outside the
   timed region, and torch_xla's ``CompileTime`` metric over the warm-up is recorded
@@ -27,59 +27,9 @@ from typing import Any
 import torch
 
 from autopart.errors import ProfileError
+from autopart.profile.backend_base import CACHE_FLUSHES, Backend
 
 __all__ = []
-
-
-class Backend:
-    """Runs callables on one device and times them."""
-
-    name = "cpu"
-    has_storages = True
-    """Tensors expose storages, so saved-tensor and live-tensor tracking works."""
-    time_source = "measured: time.perf_counter"
-    memory_source = "measured: saved-tensor hooks + live-tensor dispatch mode"
-    warms_a_copy = False
-    """``time`` is handed a ``warm`` callable to run after its flush: the block's calls on
-    a copy of its weights (the CPU ``model`` flush; ``autopart.profile.warm``)."""
-    times_in_order = False
-    """The profiler times the forwards again in model order (the CPU ``order`` method;
-    ``autopart.profile.order``)."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.device_name = _cpu_name()
-
-    def size_flush(self, model_bytes: int) -> None:
-        """Size a flush that depends on the model (``model_bytes``: its weights); none here."""
-
-    def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
-             warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
-        """Milliseconds ``fn`` takes on the device, and its result.
-
-        ``hot``: tensors the call finds in cache in a pipeline (its input, just produced);
-        ``warm``: the same call on a copy of the block's weights. A backend that flushes
-        before the call runs ``warm`` and touches ``hot`` after the flush, untimed.
-        """
-        start = time.perf_counter()
-        out = fn()
-        return (time.perf_counter() - start) * 1e3, out
-
-    def sync(self) -> None:
-        """Wait until the device has finished all queued work."""
-
-    def allocator_peak(self, fn: Callable[[], Any]) -> int | None:
-        """Peak allocated bytes above the start while ``fn`` runs; ``None`` if unknown."""
-        fn()
-        return None
-
-    def bytes_in_use(self) -> int | None:
-        """Device bytes in use now, where the runtime reports it."""
-        return None
-
-    def compile_clock_ms(self) -> float | None:
-        """Milliseconds spent compiling graphs so far; ``None`` where nothing compiles."""
-        return None
 
 
 class CPUBackend(Backend):
@@ -167,82 +117,6 @@ class CPUBackend(Backend):
         return (time.thread_time() - start) * 1e3, out
 
 
-class CUDABackend(Backend):
-    """One CUDA GPU: CUDA events and the caching allocator's statistics.
-
-    With ``flush="llc"`` every timed call starts with a cold L2, as in Triton's
-    ``do_bench``: a buffer of twice the L2 (``torch.cuda.get_device_properties``) is
-    zeroed before the start event, outside the timed region (run on an H200:
-    ``scripts/cuda_check.py``).
-
-    A call is timed with the host ahead of the GPU, as a stage runs it: a GPU spin
-    (``torch.cuda._sleep``, ``LEAD_MS``) queued before the start event lets the host
-    queue the call's kernels; the time is the larger of the GPU span and the host's
-    queueing time (docs/timing-sweep.md, "CUDA on one H200": from an idle GPU each
-    projection block paid the host's start again).
-    """
-
-    name = "cuda"
-    time_source = "measured: CUDA events, the host queueing ahead of the GPU"
-    memory_source = "measured: saved-tensor hooks + CUDA allocator peak"
-
-    def __init__(self, flush: str = "llc") -> None:
-        if not torch.cuda.is_available():
-            raise ProfileError(
-                f"backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
-                f"use --backend cpu, or analytical:h100 to estimate without a GPU")
-        if flush not in CACHE_FLUSHES or flush in ("model", "order"):
-            raise ProfileError(f"cache_flush {flush!r} is not one for cuda; expected auto, "
-                               f"none or llc")
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.device_name = torch.cuda.get_device_name(self.device)
-        self.flush_bytes = (l2_flush_bytes(torch.cuda.get_device_properties(self.device))
-                            if flush == "llc" else 0)
-        if self.flush_bytes:
-            self.time_source = (f"measured: CUDA events, the host queueing ahead of the GPU, "
-                                f"L2 flushed before each timed call "
-                                f"({self.flush_bytes >> 20} MiB zeroed)")
-        # allocated here, never inside a measured region (the allocator's peak is tracked)
-        self._flush = torch.empty(self.flush_bytes, dtype=torch.int8, device=self.device)
-        self._lead_cycles = int(LEAD_MS * _spin_cycles_per_ms())
-
-    def time(self, fn: Callable[[], Any], hot: tuple[Any, ...] = (),
-             warm: Callable[[], Any] | None = None) -> tuple[float, Any]:
-        """The larger of the GPU milliseconds between two events recorded around ``fn``
-        (after the flush and the spin) and the host's milliseconds queueing it."""
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        if self.flush_bytes:
-            self._flush.zero_()  # queued before the start event: outside the timed span
-        if self._lead_cycles:
-            torch.cuda._sleep(self._lead_cycles)  # the host queues fn while the GPU spins
-        start.record()
-        began = time.perf_counter()
-        out = fn()
-        host_ms = (time.perf_counter() - began) * 1e3
-        end.record()
-        end.synchronize()
-        return max(start.elapsed_time(end), host_ms), out
-
-    def sync(self) -> None:
-        """``torch.cuda.synchronize``."""
-        torch.cuda.synchronize(self.device)
-
-    def allocator_peak(self, fn: Callable[[], Any]) -> int | None:
-        """``max_memory_allocated`` above ``memory_allocated`` at the start."""
-        self.sync()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        fn()
-        self.sync()
-        return torch.cuda.max_memory_allocated(self.device) - base
-
-    def bytes_in_use(self) -> int | None:
-        """``torch.cuda.memory_allocated``."""
-        return torch.cuda.memory_allocated(self.device)
-
-
 class XLABackend(Backend):
     """One XLA device (TPU, Trainium through torch-neuronx, ...)."""
 
@@ -313,12 +187,6 @@ class XLABackend(Backend):
 
 
 _DEFAULT_LLC_BYTES = 32 << 20
-CACHE_FLUSHES = ("none", "llc", "model", "order")
-"""What a backend does before each timed call: nothing, twice the last-level cache
-written, or (cpu) the model's weights' worth read, the call run on a copy of the
-block's weights and its input touched; (cpu) ``order`` does as ``model`` and then times
-the forwards again in the model's order (``autopart.profile.order``)
-(``ProfileOptions.cache_flush``, where ``auto`` picks per backend: ``AUTO_FLUSH``)."""
 AUTO_FLUSH = {"cpu": "order", "cuda": "llc"}
 """``cache_flush="auto"`` per backend: on CPU ``order``, the method the timing sweep kept
 (docs/timing-sweep.md, "blocks timed again in model order"); on CUDA an L2 flush, as
@@ -351,30 +219,6 @@ def last_level_cache_bytes() -> int:
     return best or _DEFAULT_LLC_BYTES
 
 
-LEAD_MS = 2.0
-"""GPU spin queued before each timed CUDA call (``CUDABackend``)."""
-
-
-def _spin_cycles_per_ms() -> float:
-    """Clock cycles ``torch.cuda._sleep`` spins per millisecond on this GPU."""
-    torch.cuda._sleep(1_000_000)  # warm-up: clocks up, kernel loaded
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
-def l2_flush_bytes(props: Any) -> int:
-    """Bytes to write over a GPU's L2 before a timed call: twice ``props.L2_cache_size``
-    (``torch.cuda.get_device_properties``), or 256 MiB, Triton's ``do_bench`` buffer,
-    where the property is missing or 0."""
-    l2 = int(getattr(props, "L2_cache_size", 0) or 0)
-    return 2 * l2 if l2 > 0 else 256 << 20
-
-
 def make_backend(name: str, cache_flush: str = "auto", clock: str = "auto") -> Backend:
     """The timing backend called ``name`` (``cpu``, ``cuda`` or ``xla``).
 
@@ -399,6 +243,8 @@ def make_backend(name: str, cache_flush: str = "auto", clock: str = "auto") -> B
         raise ProfileError(f"clock {clock!r} is for the cpu backend; {name} times with its "
                            f"own clock (use clock 'wall')")
     if name == "cuda":
+        from autopart.profile.cuda_backend import CUDABackend
+
         return CUDABackend(cache_flush)
     backends = {"xla": XLABackend}
     if name not in backends:
@@ -414,16 +260,3 @@ def _xla_metrics() -> Any:
     except ImportError:
         return None
     return met if hasattr(met, "metric_data") else None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
