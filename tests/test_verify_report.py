@@ -357,6 +357,56 @@ def test_block_timer_splits_a_forward_at_each_block_start():
     assert len(timer.starts[0]) == 3 + 3  # hooks removed: the last forward added nothing
 
 
+def test_block_timer_puts_the_loss_in_the_last_stages_last_block():
+    """The profile prices the loss inside the head; the run computes it as its own action
+    after the last stage's F. The head's row takes the microbatch's loss, so a block
+    driving the error is not the head for a loss it never ran (and calibration's block
+    shares see the head's whole time)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autopart.verify.instrument import BlockTimer, StepRecorder
+
+    class Sleepy(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            return x + 1
+
+    model = nn.Sequential(Sleepy(0.0), Sleepy(0.005))
+    stage = SimpleNamespace(stage_index=1, is_last=True,
+                            forward_one_chunk=lambda mb, x: model(x))
+    schedule = SimpleNamespace(_maybe_compute_loss=lambda st, out, tgt, mb: time.sleep(0.02))
+    recorder = StepRecorder(torch.device("cpu"))
+    recorder._wrap(stage, "forward_one_chunk", lambda a, kw: ("F", 1, a[0]))
+    recorder._wrap(schedule, "_maybe_compute_loss", lambda a, kw: ("LOSS", 1, a[3]))
+    pipe = SimpleNamespace(stage_plans=[SimpleNamespace(index=1, modules=("0", "1"))],
+                           module=model, stage_modules=[None])
+    timer = BlockTimer(recorder).attach(pipe)
+    recorder.begin_step()
+    for mb in range(2):
+        out = stage.forward_one_chunk(mb, torch.zeros(2))
+        schedule._maybe_compute_loss(stage, out, None, mb)
+    timer.detach()
+    samples = timer.samples(0)
+    assert [name for _, name, _ in samples] == [BlockTimer.OUTSIDE, "0", "1"] * 2
+    spans = recorder.steps[0]
+    assert [s.kind for s in spans] == ["F", "LOSS"] * 2
+    for mb in range(2):
+        rows = samples[3 * mb: 3 * mb + 3]
+        f, loss = spans[2 * mb], spans[2 * mb + 1]
+        assert sum(ms for *_, ms in rows) == pytest.approx(
+            (f.end_ms - f.start_ms) + (loss.end_ms - loss.start_ms))
+        assert rows[2][2] >= 25  # the head's own 5 ms and the loss's 20 ms
+        assert rows[1][2] < 20
+
+
 def test_the_router_loss_counting_pass_is_one_span_apart_from_the_stage_forwards():
     """The router loss's counting pass runs every stage forward once before the step: its
     forwards are one ``COUNT`` span, not F spans of the step (summed per stage and

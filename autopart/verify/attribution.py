@@ -8,8 +8,10 @@ stage's forward error. What the stage's forward spends outside its blocks (predi
 the model's code before its first block, the stand-ins of the blocks before it and the
 runtime's per-action cost; measured: before its first block starts) is one more row,
 ``(outside blocks)``; the model's code after a block, up to the next, is the block's, on
-both sides (the run's block rows end where the next block starts). Backward is not
-split: its error is the stage's alone.
+both sides (the run's block rows end where the next block starts), and the loss is the
+head's on both (the profile prices it inside the head; the run's loss is a separate
+action, added to the stage's last row). Backward is not split: its error is the
+stage's alone.
 """
 
 from __future__ import annotations

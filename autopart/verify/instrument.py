@@ -151,7 +151,8 @@ class BlockTimer:
     the first block (``OUTSIDE``: the stage's own code, the model's code before its first
     block such as masks and rotary tables, and the stand-ins of earlier stages' blocks)
     and each block's time from its start to the next block's (the last one's to the
-    end of the F). Backward is not split.
+    end of the F, plus the microbatch's ``LOSS`` span on a last stage: the profile prices
+    the loss inside the head, and the stage's F counts it). Backward is not split.
     """
 
     OUTSIDE = "(outside blocks)"
@@ -200,9 +201,12 @@ class BlockTimer:
         self._handles.clear()
 
     def samples(self, step: int) -> list[tuple[int, str, float]]:
-        """(stage, block or ``OUTSIDE``, ms) of every F span of timed step ``step``."""
+        """(stage, block or ``OUTSIDE``, ms) of every F span of timed step ``step``; a
+        last stage's loss is in its last row, so a span's rows add up to its F and loss."""
         spans = self._recorder.steps[step]
         starts = self.starts[step] if step < len(self.starts) else []
+        loss = {(s.stage_idx, s.microbatch_idx): s.end_ms - s.start_ms
+                for s in spans if s.kind == "LOSS"}
         out = []
         for span in spans:
             if span.kind != "F":
@@ -210,7 +214,10 @@ class BlockTimer:
             inside = sorted((t, name) for stage, name, t in starts
                             if stage == span.stage_idx and span.start_ms <= t <= span.end_ms)
             ends = [t for t, _ in inside[1:]] + [span.end_ms]
-            out.append((span.stage_idx, self.OUTSIDE,
-                        (inside[0][0] if inside else span.end_ms) - span.start_ms))
-            out += [(span.stage_idx, name, end - t) for (t, name), end in zip(inside, ends)]
+            rows = [(span.stage_idx, self.OUTSIDE,
+                     (inside[0][0] if inside else span.end_ms) - span.start_ms)]
+            rows += [(span.stage_idx, name, end - t) for (t, name), end in zip(inside, ends)]
+            stage, name, ms = rows[-1]
+            rows[-1] = (stage, name, ms + loss.get((stage, span.microbatch_idx), 0.0))
+            out += rows
         return out
