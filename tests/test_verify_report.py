@@ -314,12 +314,25 @@ def test_block_report_and_error_drivers(profile, plan):
     assert sorted(drivers) == [0, 1]
 
 
+def _sleepy(seconds: float):
+    """A block of known length: its forward sleeps ``seconds``, then adds 1."""
+    import time
+
+    from torch import nn
+
+    class Sleepy(nn.Module):
+        def forward(self, x):
+            time.sleep(seconds)
+            return x + 1
+
+    return Sleepy()
+
+
 def test_block_timer_splits_a_forward_at_each_block_start():
     """A real module's forward, hooked: each block gets the time from its first call's start
     to the next block's (the last one's to the end of the F), the time before the first
     block is outside blocks; the samples add up to the F span. Block ``a`` starts at
     module ``0`` (the stage module's ``block_starts``)."""
-    import time
     from types import SimpleNamespace
 
     import torch
@@ -327,16 +340,7 @@ def test_block_timer_splits_a_forward_at_each_block_start():
 
     from autopart.verify.instrument import BlockTimer, StepRecorder
 
-    class Sleepy(nn.Module):
-        def __init__(self, seconds: float) -> None:
-            super().__init__()
-            self.seconds = seconds
-
-        def forward(self, x):
-            time.sleep(self.seconds)
-            return x + 1
-
-    model = nn.Sequential(Sleepy(0.02), Sleepy(0.0), Sleepy(0.01))
+    model = nn.Sequential(_sleepy(0.02), _sleepy(0.0), _sleepy(0.01))
     stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda mb, x: model(x))
     recorder = StepRecorder(torch.device("cpu"))
     recorder._wrap(stage, "forward_one_chunk", lambda a, kw: ("F", 0, a[0]))
@@ -370,16 +374,7 @@ def test_block_timer_puts_the_loss_in_the_last_stages_last_block():
 
     from autopart.verify.instrument import BlockTimer, StepRecorder
 
-    class Sleepy(nn.Module):
-        def __init__(self, seconds: float) -> None:
-            super().__init__()
-            self.seconds = seconds
-
-        def forward(self, x):
-            time.sleep(self.seconds)
-            return x + 1
-
-    model = nn.Sequential(Sleepy(0.0), Sleepy(0.005))
+    model = nn.Sequential(_sleepy(0.0), _sleepy(0.005))
     stage = SimpleNamespace(stage_index=1, is_last=True,
                             forward_one_chunk=lambda mb, x: model(x))
     schedule = SimpleNamespace(_maybe_compute_loss=lambda st, out, tgt, mb: time.sleep(0.02))
