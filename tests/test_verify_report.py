@@ -782,39 +782,3 @@ def test_each_block_keeps_its_own_speed_when_a_plan_moves_it(profile):
                       cuts=tuple(planned.pipeline_cuts))
     for stage, measured in zip(again.stages, run.stages):
         assert stage.fwd_ms == pytest.approx(measured.measured_fwd_ms, rel=1e-3)
-
-
-def test_head_shards_are_read_as_the_sliced_loss_they_ran(profile):
-    """A rehearsal cut inside the head: its shards ran the runtime's sliced loss, which
-    the plan priced at their share of the head's forward x ``head_slice_fwd_ratio`` plus
-    the slice's fixed cost. A run in which every block ran exactly as priced leaves every
-    block's forward as it was, and the head's row reads no error; read as the whole
-    head's forward, the row made the head 0.5x and the layers faster."""
-    from autopart.verify.attribution import block_errors
-
-    glued = _glued(profile)
-    sliced = dataclasses.replace(
-        glued, model=dataclasses.replace(glued.model, head_split_rows=1000),
-        setup=dataclasses.replace(glued.setup, head_slice_fwd_ratio=0.25,
-                                  head_slice_fwd_ms=0.5))
-    planned = make_plan(sliced, pp_size=2, num_microbatches=4, schedule="1f1b",
-                        cuts=("lm_head.shard1of4",))
-    stage = planned.stages[0]
-    assert stage.modules[-2:] == ("lm_head.shard0of4", "lm_head.shard1of4")
-    blocks = {b.name: b for b in sliced.blocks}
-    head = blocks["lm_head"]
-    rows = [(0, n, blocks[n].fwd_ms + blocks[n].glue_after_ms) for n in stage.modules[:-2]]
-    rows.append((0, "lm_head", 0.25 * head.fwd_ms / 2 + head.glue_after_ms / 2 + 0.5))
-    rows.insert(0, (0, OUTSIDE, stage.fwd_ms - sum(ms for *_, ms in rows)))
-    assert rows[0][2] > 0
-    results = [dataclasses.replace(_rank_result(planned, 0, 1 / 1.5), block_fwd=tuple(
-        tuple(r for _ in range(planned.num_microbatches) for r in rows) for _ in range(2))),
-        _rank_result(planned, 1, 1 / 1.5)]
-    run = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0), results)
-    assert run.stages[0].measured_fwd_ms == pytest.approx(stage.fwd_ms)
-    calibrated = calibrate_profile(sliced, run, planned)
-    for block in calibrated.blocks:
-        assert block.fwd_ms == pytest.approx(blocks[block.name].fwd_ms, rel=1e-3), block.name
-    errors = {(e.stage, e.block): e for e in block_errors(run, sliced)}
-    assert errors[0, "lm_head"].delta_ms == pytest.approx(0.0, abs=1e-3)
-    assert errors[0, OUTSIDE].delta_ms == pytest.approx(0.0, abs=1e-3)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from autopart.schema import Part, Profile
 from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["covered_blocks", "named_blocks", "sliced_loss", "stage_blocks"]
+__all__ = ["covered_blocks", "named_blocks", "stage_blocks"]
 
 
 def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
@@ -44,16 +44,3 @@ def named_blocks(profile: Profile, report: RunReport, name: str) -> list[tuple[i
     parts = tuple(report.parts.get(name, ()))
     weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
     return [(i, weight) for i in covered_blocks(profile, name, parts)]
-
-
-def sliced_loss(profile: Profile, report: RunReport, name: str) -> tuple[float, float]:
-    """``(scale, fixed ms)`` of the forward of the run's block ``name`` against its profile
-    blocks, as the cost model prices it (``levels.split_head``, ``cost.stage``): a
-    vocabulary part of the head runs the runtime's sliced loss, its share of the head's
-    forward times ``ProfileSetup.head_slice_fwd_ratio``, and a stage's parts together
-    (one slice) pay ``head_slice_fwd_ms`` once per microbatch; anything else ``(1, 0)``."""
-    parts = tuple(report.parts.get(name, ()))
-    if parts and parts[-1].derived and parts[-1].axis == "vocab":
-        setup = profile.setup
-        return setup.head_slice_fwd_ratio or 1.0, setup.head_slice_fwd_ms
-    return 1.0, 0.0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.coverage import named_blocks, sliced_loss, stage_blocks
+from autopart.verify.coverage import named_blocks, stage_blocks
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport, StageReport
 
@@ -114,14 +114,9 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
     A row (a block, or all parts of one module: a head's shards) runs from its start to
     the next row's, so it holds the block's forward and the model's code after it (as
     ``profile`` prices it, scaled by ``fit_outside_scale``); its blocks ran (row - that
-    code) / their profiled forward. A row of head shards holds the runtime's sliced loss:
-    its blocks ran (row - that code - the slice's fixed cost) / (their share of the head's
-    forward x the sliced loss's ratio), as the cost model prices shards
-    (``coverage.sliced_loss``); read as the whole head's forward, a rehearsal cut inside
-    the head priced a whole head 1.86x its run on tiny-llama (1.97 ms against 1.06).
-    Blocks without a row (a stage starting inside the head) run at the stage's mean.
-    The shares are normalized so that the stage's blocks keep their profiled forward in
-    sum: the stage's factor (``calibrate_profile``) sets the stage's
+    code) / their profiled forward. Blocks without a row (a stage starting inside the head) run
+    at the stage's mean. The shares are normalized so that the stage's blocks keep their
+    profiled forward in sum: the stage's factor (``calibrate_profile``) sets the stage's
     total, the shares only divide it, so a plan that moves a block to another stage
     takes the block's own speed along, not the factor of the stage it left (the
     heavy-head Llama's layers, run beside its head, took the head's factor).
@@ -137,16 +132,13 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
     rows = {b.block: b.measured_fwd_ms for b in report.blocks if b.stage == stage.index
             and b.block != BlockTimer.OUTSIDE}
     groups: dict[str, list[tuple[int, float]]] = {}
-    sliced: dict[str, tuple[float, float]] = {}
     for name in stage.modules:
-        row = block_module_name(name)
-        groups.setdefault(row, []).extend(named_blocks(profile, report, name))
-        sliced[row] = sliced_loss(profile, report, name)
+        groups.setdefault(block_module_name(name), []).extend(
+            named_blocks(profile, report, name))
     speed: dict[int, float] = {}
     for row, covered in groups.items():
-        scale, fixed = sliced[row]
-        fwd = scale * sum(w * profile.blocks[i].fwd_ms for i, w in covered)
-        glue = sum(w * profile.blocks[i].glue_after_ms for i, w in covered) + fixed
+        fwd = sum(w * profile.blocks[i].fwd_ms for i, w in covered)
+        glue = sum(w * profile.blocks[i].glue_after_ms for i, w in covered)
         if row in rows and fwd > 0 and rows[row] - glue > 0:
             speed.update({i: (rows[row] - glue) / fwd for i, _ in covered})
     covered = [(i, w) for c in groups.values() for i, w in c]
