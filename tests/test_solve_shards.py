@@ -12,7 +12,7 @@ from autopart.cost.stage import stage_cost
 from autopart.errors import PlanError
 from autopart.levels import num_shards, split_head
 from autopart.schema import Part, TrainingSetup
-from autopart.solve import PlanOptions, make_plan
+from autopart.solve import PlanOptions, make_plan, plan_again
 from autopart.solve.baselines import baseline_split
 from autopart.solve.choices import Choice, choices
 from autopart.solve.cuts import cut_bounds
@@ -108,6 +108,27 @@ def test_cuts_are_evaluated_as_given():
     assert four.stages[1].modules == ("lm_head.shard2of4", "lm_head.shard3of4")
     assert cut_bounds(profile, ["model.layers.1", "model.layers.3"], 3, "auto") == (
         ((0, 3), (3, 5), (5, 7)), 1)
+
+
+def test_cuts_without_shards_keep_a_split_head_split_on_the_last_stage():
+    """A plan whose shards are all on its last stage names none in its cuts (the even
+    split, as the rehearsal runs it): planned again it keeps them, as ``--head split
+    --cuts`` does, and its stages cost the same; before, the head came back whole and the
+    rehearsal priced the posts of its Interleaved and GPipe runs on another plan.
+    Shards named with the head to stay whole are refused."""
+    profile = _splittable()
+    even = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                     partition="even", split_head=True)
+    assert even.head_shards and not any(".shard" in c for c in even.pipeline_cuts)
+    again = plan_again(profile, even)
+    assert again.head_shards and again.stages[1].modules[-1].startswith("lm_head.shard")
+    assert [s.fwd_ms for s in again.stages] == pytest.approx([s.fwd_ms for s in even.stages])
+    whole = make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                      cuts=even.pipeline_cuts)
+    assert not whole.head_shards
+    with pytest.raises(PlanError, match="name no shard, or drop --head whole"):
+        make_plan(profile, pp_size=2, schedule="1f1b", num_microbatches=4,
+                  cuts=["lm_head.shard1of4"], split_head=False)
 
 
 @pytest.mark.parametrize("cuts, message", [

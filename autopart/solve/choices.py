@@ -64,8 +64,12 @@ class Choice:
 def choices(profile: Profile, request: Request) -> tuple[list[Choice], list[str]]:
     """The choices ``request`` asks for on ``profile`` (best first to search), and notes.
 
+    With ``cuts`` that name no shard and the head to be split (``split_head``), the
+    shards are all on the last stage.
+
     Raises:
-        PlanError: Cut names ask for slices or shards in more than one count.
+        PlanError: Cut names ask for slices or shards in more than one count, or shards of
+            a head to stay whole; FSDP with a split head or sliced halves.
     """
     opts = request.options
     measured = profile.setup.granularity
@@ -76,16 +80,23 @@ def choices(profile: Profile, request: Request) -> tuple[list[Choice], list[str]
                          f"planned at layer granularity")
         return [Choice("layer")], notes
     fsdp = opts.zero_stage == 3 and request.setup_fields.get("dp_size", 1) > 1
+    if fsdp and opts.split_head is True:
+        raise PlanError(f"a head split by vocabulary across stages cannot be sharded by FSDP "
+                        f"(--dp-shard params-*, zero 3); {_FSDP_REMEDY}")
     if opts.cuts is not None:
         cut = _cut_choice(profile, opts.cuts)
+        if cut.head_shards and opts.split_head is False:
+            raise PlanError("--cuts name vocabulary shards of the head, but the head is to "
+                            "stay whole (--head whole); name no shard, or drop --head whole")
+        if not cut.head_shards and opts.split_head and _splits_head(profile):
+            # the shards all on the last stage: no cut names them (plan_again of a plan
+            # with shards, ``--head split --cuts ...``); any count prices them alike
+            cut = dataclasses.replace(cut, head_shards=num_shards(profile))
         if fsdp and (cut.slices or cut.head_shards):
             raise PlanError(f"--cuts name slices or head shards, which FSDP (--dp-shard "
                             f"params-*, zero 3) cannot shard; {_FSDP_REMEDY}")
         return [cut], notes
     shards = num_shards(profile) if _splits_head(profile) and not fsdp else 0
-    if fsdp and opts.split_head is True:
-        raise PlanError(f"a head split by vocabulary across stages cannot be sharded by FSDP "
-                        f"(--dp-shard params-*, zero 3); {_FSDP_REMEDY}")
     if opts.granularity == "auto":
         sliced = _slices(profile) and measured != "layer"
         levels = [measured] + (["slice"] if sliced and not fsdp else [])

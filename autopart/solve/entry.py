@@ -78,5 +78,6 @@ def plan_again(profile: Profile, plan: Plan, **fields: Any) -> Plan:
                "dp_size": plan.dp_size, "zero_stage": plan.zero_stage,
                "reshard_after_forward": plan.reshard_after_forward,
                "optimizer": setup.optimizer, "memory_limit_bytes": setup.memory_limit_bytes,
-               "precision": None if precision == "custom" else precision}
+               "precision": None if precision == "custom" else precision,
+               "split_head": True if plan.head_shards else None}
     return make_plan(profile, **{**options, **fields})
