@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopart.schema import Profile
-from autopart.verify.coverage import named_blocks
+from autopart.verify.coverage import named_blocks, sliced_loss
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport
 
@@ -53,7 +53,9 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
     A block's profiled forward includes the model's code after it up to the next call
     (``BlockProfile.glue_after_ms``), as its measured one does. A block that is a part of
     a module's call (a head shard, a unit slice) is predicted at its share of that
-    module's; blocks ending in one module are summed.
+    module's (a head shard as the cost model prices it: scaled by the sliced loss's ratio,
+    the slice's fixed cost once per stage, ``coverage.sliced_loss``); blocks ending in
+    one module are summed.
 
     Args:
         report: A run report with per-block forwards (``RunReport.blocks``).
@@ -67,9 +69,12 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
     for stage in report.stages:
         total = 0.0
         for name in stage.modules:
-            ms = sum(w * (profile.blocks[i].fwd_ms + profile.blocks[i].glue_after_ms)
+            scale, _, fixed = sliced_loss(profile, report, name)
+            ms = sum(w * (scale * profile.blocks[i].fwd_ms + profile.blocks[i].glue_after_ms)
                      for i, w in named_blocks(profile, report, name))
             key = (stage.index, block_module_name(name))
+            if key not in predicted:  # a stage's shards run as one slice: its cost once
+                ms += fixed
             predicted[key] = predicted.get(key, 0.0) + ms
             total += ms
         predicted[stage.index, BlockTimer.OUTSIDE] = max(stage.predicted_fwd_ms - total, 0.0)

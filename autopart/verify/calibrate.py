@@ -10,7 +10,10 @@ cost, the model's glue and stand-ins: ``autopart.cost.stage``), which calibratio
 as they are, but for the model's code outside the blocks (glue and stand-ins), which
 the run's per-block rows price with one factor of their own (``autopart.verify.outside``);
 so the factor is (measured - outside) / blocks, and planning the same cuts again
-predicts what was measured. Memory figures are left as they are.
+predicts what was measured. Head shards are priced as they ran, with the runtime's sliced
+loss (``coverage.priced_times``), and what their row held beyond that is the sliced loss's
+fixed cost per call (``outside.fit_slice_cost``), not the head's: a plan with the head
+whole does not pay it. Memory figures are left as they are.
 
 What a rank spends outside its actions and p2p waits (``RankReport.measured_outside_ms``:
 posting sends and receives, the schedule's bookkeeping) is priced by the machine check
@@ -41,8 +44,8 @@ from autopart.cost.stage import StageCost
 from autopart.errors import SchemaError
 from autopart.schedules import schedule_info
 from autopart.schema import BlockProfile, Plan, Profile, RuntimeOverhead
-from autopart.verify.coverage import covered_blocks, stage_blocks
-from autopart.verify.outside import block_shares, fit_outside_scale, scaled_outside
+from autopart.verify.coverage import covered_blocks, priced_times, stage_blocks
+from autopart.verify.outside import block_shares, fit_outside_scale, fit_slice_cost, scaled_outside
 from autopart.verify.report import RunReport, StageReport, plan_digest
 
 __all__ = ["calibrate_profile", "fit_count_pass", "fit_post_price", "post_field"]
@@ -74,8 +77,9 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         source: Names the run report (a path) in the profile's calibration record.
 
     Returns:
-        A copy of ``profile`` with scaled block times and a ``calibration`` record that
-        chains any earlier one.
+        A copy of ``profile`` with scaled block times (and the sliced loss's fixed cost
+        as fitted, ``calibration["slice_fwd_ms"]``: before, after) and a ``calibration``
+        record that chains any earlier one.
 
     Raises:
         SchemaError: The report is of another plan, model or sequence length, is
@@ -84,14 +88,19 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     _check(profile, report, plan)
     scale, added = fit_outside_scale(profile, report)
     profile = scaled_outside(profile, scale)
+    slice_before = profile.setup.head_slice_fwd_ms
+    slice_ms, slice_added = fit_slice_cost(profile, report)
+    for stage, ms in slice_added.items():
+        added[stage] = added.get(stage, 0.0) + ms
+    profile = dataclasses.replace(profile, setup=dataclasses.replace(
+        profile.setup, head_slice_fwd_ms=slice_ms))
     blocks = list(profile.blocks)
     factors = []
     shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
     changes: dict[int, dict[str, float]] = {}
     for stage in report.stages:
         covered = stage_blocks(profile, report, stage)
-        own = {key: sum(w * getattr(blocks[i], f"{key}_ms") for i, w in covered)
-               for key in ("fwd", "bwd_input", "bwd_weight")}
+        own = priced_times(profile, report, stage)
         ratio = _ratios(stage, own, added.get(stage.index, 0.0))
         changes[stage.index] = {key: (ratio[key] - 1) * own[key] for key in own}
         changes[stage.index]["fwd"] += added.get(stage.index, 0.0)
@@ -110,6 +119,8 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
               "predicted_step_ms": report.predicted_step_ms,
               "measured_step_ms": report.measured_step_ms, "factors": factors,
               "outside_scale": round(scale, 4), "previous": previous}
+    if slice_ms != slice_before:
+        record["slice_fwd_ms"] = [slice_before, slice_ms]
     overhead = profile.runtime_overhead
     if overhead is not None and plan is not None and report.measured_step_ms > 0:
         costs = [_changed(cost, changes.get(s, {}), first=s == 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from autopart.schema import Part, Profile
 from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["covered_blocks", "named_blocks", "stage_blocks"]
+__all__ = ["covered_blocks", "named_blocks", "priced_times", "sliced_loss", "stage_blocks"]
 
 
 def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
@@ -44,3 +44,34 @@ def named_blocks(profile: Profile, report: RunReport, name: str) -> list[tuple[i
     parts = tuple(report.parts.get(name, ()))
     weight = 1 / parts[-1].count if parts and parts[-1].derived else 1.0
     return [(i, weight) for i in covered_blocks(profile, name, parts)]
+
+
+def sliced_loss(profile: Profile, report: RunReport, name: str) -> tuple[float, float, float]:
+    """``(forward scale, backward scale, fixed forward ms)`` of the run's block ``name``
+    against its profile blocks, as the cost model prices it (``levels.split_head``,
+    ``cost.stage``): a vocabulary part of the head runs the runtime's sliced loss, its
+    share of the head's times scaled by ``ProfileSetup.head_slice_fwd_ratio`` and
+    ``head_slice_bwd_ratio``, and a stage's parts together (one slice) pay
+    ``head_slice_fwd_ms`` once per microbatch; anything else ``(1, 1, 0)``."""
+    parts = tuple(report.parts.get(name, ()))
+    if parts and parts[-1].derived and parts[-1].axis == "vocab":
+        setup = profile.setup
+        return (setup.head_slice_fwd_ratio or 1.0, setup.head_slice_bwd_ratio or 1.0,
+                setup.head_slice_fwd_ms)
+    return 1.0, 1.0, 0.0
+
+
+def priced_times(profile: Profile, report: RunReport, stage: StageReport) -> dict[str, float]:
+    """The forward, B and W of ``stage``'s blocks as the cost model priced them: their
+    profiled times, head shards' scaled by the sliced loss's ratios
+    (``sliced_loss``), so that a stage factor scales the blocks as the plan
+    prices them."""
+    own = dict.fromkeys(("fwd", "bwd_input", "bwd_weight"), 0.0)
+    for name in stage.modules:
+        fwd, bwd, _ = sliced_loss(profile, report, name)
+        for i, w in named_blocks(profile, report, name):
+            block = profile.blocks[i]
+            own["fwd"] += w * fwd * block.fwd_ms
+            own["bwd_input"] += w * bwd * block.bwd_input_ms
+            own["bwd_weight"] += w * bwd * block.bwd_weight_ms
+    return own

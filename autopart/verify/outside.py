@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.coverage import named_blocks, stage_blocks
+from autopart.verify.coverage import named_blocks, sliced_loss, stage_blocks
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["OUTSIDE_SCALE_RANGE", "block_shares", "fit_outside_scale", "lead_ms",
-           "scaled_outside"]
+__all__ = ["OUTSIDE_SCALE_RANGE", "block_shares", "fit_outside_scale", "fit_slice_cost",
+           "lead_ms", "scaled_outside"]
 
 OUTSIDE_SCALE_RANGE = (0.5, 4.0)
 """The factors a fit may give; outside it the rows measure something else (a stage
@@ -59,8 +59,9 @@ def fit_outside_scale(profile: Profile, report: RunReport) -> tuple[float, dict[
     """The factor by which the run's stages ran their glue and stand-ins over the profile.
 
     Per stage, the excess is the measured forward before its first block less the one
-    predicted (the stage's predicted F less its blocks' F and the code after them, as
-    ``autopart.verify.attribution`` splits it); the factor is 1 + the summed excess over
+    predicted (the stage's predicted F less its blocks' F as priced, head shards with the
+    sliced loss's fixed cost, and the code after them, as ``autopart.verify.attribution``
+    splits it); the factor is 1 + the summed excess over
     the summed glue and stand-ins before the stages' first blocks (``lead_ms``),
     clipped to ``OUTSIDE_SCALE_RANGE``.
 
@@ -81,7 +82,9 @@ def fit_outside_scale(profile: Profile, report: RunReport) -> tuple[float, dict[
         if stage.index not in measured or not covered:
             return 1.0, {}
         own_after = sum(w * profile.blocks[i].glue_after_ms for i, w in covered)
-        own = sum(w * profile.blocks[i].fwd_ms for i, w in covered) + own_after
+        rows = _rows(profile, report, stage)
+        own = sum(row.fwd_ms for row in rows) + own_after + (
+            profile.setup.head_slice_fwd_ms if any(row.shards for row in rows) else 0.0)
         stage_lead = lead_ms(profile, min(i for i, _ in covered))
         excess += measured[stage.index] - max(stage.predicted_fwd_ms - own, 0.0)
         lead += stage_lead
@@ -111,11 +114,15 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
     """How fast each block of ``stage`` ran against its profile, relative to the stage's
     blocks together, from the run's per-block rows.
 
-    A row (a block, or all parts of one module: a head's shards) runs from its start to
-    the next row's, so it holds the block's forward and the model's code after it (as
-    ``profile`` prices it, scaled by ``fit_outside_scale``); its blocks ran (row - that
-    code) / their profiled forward. Blocks without a row (a stage starting inside the head) run
-    at the stage's mean. The shares are normalized so that the stage's blocks keep their
+    A row (a block, or all parts of one module) runs from its start to the next row's, so
+    it holds the block's forward and the model's code after it (as ``profile`` prices it,
+    scaled by ``fit_outside_scale``); its blocks ran (row - that code) / their profiled
+    forward. A row of head shards ran the runtime's sliced loss, not the head the profile
+    measured, so it says nothing of the head's own speed (read as the head's, a rehearsal
+    cut inside the head priced a whole head at 1.97 ms where it ran 1.06 on tiny-llama):
+    what it measures beyond its price is the sliced loss's (``fit_slice_cost``). Blocks
+    without a row (a head in shards, a stage starting inside the head) run at the
+    stage's mean. The shares are normalized so that the stage's blocks keep their
     profiled forward in sum: the stage's factor (``calibrate_profile``) sets the stage's
     total, the shares only divide it, so a plan that moves a block to another stage
     takes the block's own speed along, not the factor of the stage it left (the
@@ -129,25 +136,105 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
     Returns:
         Block index -> its share (1.0 everywhere without rows).
     """
-    rows = {b.block: b.measured_fwd_ms for b in report.blocks if b.stage == stage.index
-            and b.block != BlockTimer.OUTSIDE}
-    groups: dict[str, list[tuple[int, float]]] = {}
-    for name in stage.modules:
-        groups.setdefault(block_module_name(name), []).extend(
-            named_blocks(profile, report, name))
+    measured = _measured(report, stage)
     speed: dict[int, float] = {}
-    for row, covered in groups.items():
-        fwd = sum(w * profile.blocks[i].fwd_ms for i, w in covered)
-        glue = sum(w * profile.blocks[i].glue_after_ms for i, w in covered)
-        if row in rows and fwd > 0 and rows[row] - glue > 0:
-            speed.update({i: (rows[row] - glue) / fwd for i, _ in covered})
-    covered = [(i, w) for c in groups.values() for i, w in c]
+    covered: list[tuple[int, float]] = []
+    for row in _rows(profile, report, stage):
+        covered += row.blocks
+        ran = measured.get(row.name, 0.0) - row.glue_ms
+        if not row.shards and row.fwd_ms > 0 and ran > 0:
+            speed.update({i: ran / row.fwd_ms for i, _ in row.blocks})
     timed = sum(w * profile.blocks[i].fwd_ms for i, w in covered if i in speed)
     if timed <= 0:
         return {i: 1.0 for i, _ in covered}
     mean = sum(w * profile.blocks[i].fwd_ms * speed[i] for i, w in covered if i in speed) \
         / timed  # the stage's blocks ran mean x their forward: each share is its own / that
     return {i: speed.get(i, mean) / mean for i, _ in covered}
+
+
+def fit_slice_cost(profile: Profile, report: RunReport) -> tuple[float, dict[int, float]]:
+    """The sliced loss's fixed forward cost per call (``ProfileSetup.head_slice_fwd_ms``)
+    as a run's rows of head shards measured it.
+
+    A stage's shards run as one slice, one row (``BlockTimer``). Priced at the speed the
+    stage's other rows ran (their measured forward over their profiled one, summed), the
+    shards' forward is their share of the head's times the sliced loss's ratio
+    (``coverage.sliced_loss``); what the row holds beyond that and the code after the
+    head is the slice's fixed cost. Where every stage with shards runs other blocks too
+    (the rehearsal's even split: all of them on its last stage), their mean, at least 0,
+    replaces the profile's; a stage of shards alone has no speed to price them at, and
+    the cost, which every such stage pays, is then left as it is. Without
+    it, a rehearsal whose even split cut the head into shards read the sliced loss's cost
+    as the head's own, and a plan with the head whole paid it.
+
+    Args:
+        profile: The profile, with the outside scale applied (``scaled_outside``).
+        report: The run report, with per-block rows.
+
+    Returns:
+        The fitted cost (the profile's where it cannot be fitted), and per stage with
+        shards the F the change adds to its prediction (each pays it once).
+    """
+    before = profile.setup.head_slice_fwd_ms
+    fitted, held = [], []
+    for stage in report.stages:
+        measured = _measured(report, stage)
+        rows = _rows(profile, report, stage)
+        shards = [row for row in rows if row.shards]
+        if not shards:
+            continue
+        held.append(stage.index)
+        others = [row for row in rows if not row.shards and row.name in measured
+                  and row.fwd_ms > 0]
+        ran = sum(measured[row.name] - row.glue_ms for row in others)
+        priced = sum(row.fwd_ms for row in others)
+        head = shards[0]
+        if head.name not in measured or ran <= 0 or priced <= 0:
+            return before, {}  # a stage that runs only shards: no speed to price them at
+        fitted.append(measured[head.name] - head.glue_ms - head.fwd_ms * ran / priced)
+    if not fitted:
+        return before, {}
+    after = round(max(sum(fitted) / len(fitted), 0.0), 4)
+    return after, {s: after - before for s in held}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Row:
+    """One row of a stage's forward (``BlockTimer``) as the cost model prices it."""
+
+    name: str
+    blocks: list[tuple[int, float]]
+    """``(profile block, weight)`` it ran (``coverage.named_blocks``)."""
+    fwd_ms: float
+    """Its blocks' forward; head shards scaled by the sliced loss's ratio."""
+    glue_ms: float
+    """The model's code after its blocks."""
+    shards: bool
+    """Vocabulary shards of the head: the sliced loss, its fixed cost once per stage."""
+
+
+def _rows(profile: Profile, report: RunReport, stage: StageReport) -> list[_Row]:
+    """The rows of ``stage``'s forward, a module's parts (a head's shards) as one."""
+    rows: dict[str, _Row] = {}
+    for name in stage.modules:
+        scale, _, _ = sliced_loss(profile, report, name)
+        parts = report.parts.get(name) or ()
+        covered = named_blocks(profile, report, name)
+        key = block_module_name(name)
+        row = rows.get(key) or _Row(key, [], 0.0, 0.0, False)
+        rows[key] = _Row(key, row.blocks + covered,
+                         row.fwd_ms + sum(w * scale * profile.blocks[i].fwd_ms
+                                          for i, w in covered),
+                         row.glue_ms + sum(w * profile.blocks[i].glue_after_ms
+                                           for i, w in covered),
+                         row.shards or bool(parts and parts[-1].derived
+                                            and parts[-1].axis == "vocab"))
+    return list(rows.values())
+
+
+def _measured(report: RunReport, stage: StageReport) -> dict[str, float]:
+    """The run's forward of each row of ``stage`` (``RunReport.blocks``)."""
+    return {b.block: b.measured_fwd_ms for b in report.blocks if b.stage == stage.index}
 
 
 def _vocab_part(profile: Profile, index: int) -> bool:
