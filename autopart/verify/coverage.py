@@ -11,7 +11,8 @@ from __future__ import annotations
 from autopart.schema import Part, Profile
 from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["covered_blocks", "named_blocks", "priced_times", "sliced_loss", "stage_blocks"]
+__all__ = ["covered_blocks", "named_blocks", "priced_times", "sliced_loss", "stage_blocks",
+           "vocab_part"]
 
 
 def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
@@ -46,6 +47,12 @@ def named_blocks(profile: Profile, report: RunReport, name: str) -> list[tuple[i
     return [(i, weight) for i in covered_blocks(profile, name, parts)]
 
 
+def vocab_part(report: RunReport, name: str) -> bool:
+    """Whether the run's block ``name`` is a vocabulary shard of the head."""
+    parts = report.parts.get(name) or ()
+    return bool(parts) and parts[-1].derived and parts[-1].axis == "vocab"
+
+
 def sliced_loss(profile: Profile, report: RunReport, name: str) -> tuple[float, float, float]:
     """``(forward scale, backward scale, fixed forward ms)`` of the run's block ``name``
     against its profile blocks, as the cost model prices it (``levels.split_head``,
@@ -53,8 +60,7 @@ def sliced_loss(profile: Profile, report: RunReport, name: str) -> tuple[float, 
     share of the head's times scaled by ``ProfileSetup.head_slice_fwd_ratio`` and
     ``head_slice_bwd_ratio``, and a stage's parts together (one slice) pay
     ``head_slice_fwd_ms`` once per microbatch; anything else ``(1, 1, 0)``."""
-    parts = tuple(report.parts.get(name, ()))
-    if parts and parts[-1].derived and parts[-1].axis == "vocab":
+    if vocab_part(report, name):
         setup = profile.setup
         return (setup.head_slice_fwd_ratio or 1.0, setup.head_slice_bwd_ratio or 1.0,
                 setup.head_slice_fwd_ms)

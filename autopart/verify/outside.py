@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.coverage import named_blocks, sliced_loss, stage_blocks
+from autopart.verify.coverage import named_blocks, sliced_loss, stage_blocks, vocab_part
 from autopart.verify.instrument import BlockTimer, block_module_name
 from autopart.verify.report import RunReport, StageReport
 
@@ -218,7 +218,6 @@ def _rows(profile: Profile, report: RunReport, stage: StageReport) -> list[_Row]
     rows: dict[str, _Row] = {}
     for name in stage.modules:
         scale, _, _ = sliced_loss(profile, report, name)
-        parts = report.parts.get(name) or ()
         covered = named_blocks(profile, report, name)
         key = block_module_name(name)
         row = rows.get(key) or _Row(key, [], 0.0, 0.0, False)
@@ -227,8 +226,7 @@ def _rows(profile: Profile, report: RunReport, stage: StageReport) -> list[_Row]
                                           for i, w in covered),
                          row.glue_ms + sum(w * profile.blocks[i].glue_after_ms
                                            for i, w in covered),
-                         row.shards or bool(parts and parts[-1].derived
-                                            and parts[-1].axis == "vocab"))
+                         row.shards or vocab_part(report, name))
     return list(rows.values())
 
 
