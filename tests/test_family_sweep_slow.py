@@ -46,7 +46,9 @@ def test_sweep_subset_trains_exactly_or_refuses_in_one_line(tmp_path):
     rows = {r["type"]: r for r in family_sweep.read_table(out)}
     assert set(rows) == set(EXACT) | set(REFUSED)
     for model_type in EXACT:
-        assert rows[model_type]["exact"] == "yes", rows[model_type]
+        # the reason first: pytest cuts a long dict short before it
+        assert rows[model_type]["exact"] == "yes", \
+            f"{model_type} not exact: {rows[model_type]['reason']} ({rows[model_type]})"
     for model_type, words in REFUSED.items():
         assert words in rows[model_type]["reason"], rows[model_type]
         assert rows[model_type]["exact"] == ""

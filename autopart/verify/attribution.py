@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopart.schema import Profile
-from autopart.verify.coverage import named_blocks, sliced_loss
-from autopart.verify.instrument import BlockTimer, block_module_name
+from autopart.verify.coverage import stage_rows
+from autopart.verify.instrument import BlockTimer
 from autopart.verify.report import RunReport
 
 __all__ = ["BlockError", "block_errors", "error_drivers"]
@@ -54,8 +54,8 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
     (``BlockProfile.glue_after_ms``), as its measured one does. A block that is a part of
     a module's call (a head shard, a unit slice) is predicted at its share of that
     module's (a head shard as the cost model prices it: scaled by the sliced loss's ratio,
-    the slice's fixed cost once per stage, ``coverage.sliced_loss``); blocks ending in
-    one module are summed.
+    the slice's fixed cost once per stage); blocks ending in one module are one row, as
+    the run timed them (``coverage.stage_rows``, which calibration prices too).
 
     Args:
         report: A run report with per-block forwards (``RunReport.blocks``).
@@ -68,14 +68,10 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
     predicted: dict[tuple[int, str], float] = {}
     for stage in report.stages:
         total = 0.0
-        for name in stage.modules:
-            scale, _, fixed = sliced_loss(profile, report, name)
-            ms = sum(w * (scale * profile.blocks[i].fwd_ms + profile.blocks[i].glue_after_ms)
-                     for i, w in named_blocks(profile, report, name))
-            key = (stage.index, block_module_name(name))
-            if key not in predicted:  # a stage's shards run as one slice: its cost once
-                ms += fixed
-            predicted[key] = predicted.get(key, 0.0) + ms
+        for row in stage_rows(profile, report, stage):
+            ms = row.fwd_ms + row.glue_ms + (profile.setup.head_slice_fwd_ms if row.shards
+                                             else 0.0)  # a stage's shards: one slice
+            predicted[stage.index, row.name] = ms
             total += ms
         predicted[stage.index, BlockTimer.OUTSIDE] = max(stage.predicted_fwd_ms - total, 0.0)
     return tuple(BlockError(stage=b.stage, block=b.block,

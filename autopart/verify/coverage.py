@@ -8,11 +8,14 @@ measurements on the profile's blocks through these.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autopart.schema import Part, Profile
+from autopart.verify.instrument import block_module_name
 from autopart.verify.report import RunReport, StageReport
 
-__all__ = ["covered_blocks", "named_blocks", "priced_times", "sliced_loss", "stage_blocks",
-           "vocab_part"]
+__all__ = ["Row", "covered_blocks", "named_blocks", "priced_times", "sliced_loss", "stage_blocks",
+           "stage_rows", "vocab_part"]
 
 
 def covered_blocks(profile: Profile, name: str, parts: tuple[Part, ...]) -> list[int]:
@@ -81,3 +84,36 @@ def priced_times(profile: Profile, report: RunReport, stage: StageReport) -> dic
             own["bwd_input"] += w * bwd * block.bwd_input_ms
             own["bwd_weight"] += w * bwd * block.bwd_weight_ms
     return own
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a stage's forward (``BlockTimer``) as the cost model prices it."""
+
+    name: str
+    blocks: list[tuple[int, float]]
+    """``(profile block, weight)`` it ran (``coverage.named_blocks``)."""
+    fwd_ms: float
+    """Its blocks' forward; head shards scaled by the sliced loss's ratio."""
+    glue_ms: float
+    """The model's code after its blocks."""
+    shards: bool
+    """Vocabulary shards of the head: the sliced loss, its fixed cost once per stage."""
+
+
+def stage_rows(profile: Profile, report: RunReport, stage: StageReport) -> list[Row]:
+    """The rows of ``stage``'s forward as the run timed them (``BlockTimer``: a module's
+    parts, a head's shards, as one row), each priced as the cost model prices it."""
+    rows: dict[str, Row] = {}
+    for name in stage.modules:
+        scale, _, _ = sliced_loss(profile, report, name)
+        covered = named_blocks(profile, report, name)
+        key = block_module_name(name)
+        row = rows.get(key) or Row(key, [], 0.0, 0.0, False)
+        rows[key] = Row(key, row.blocks + covered,
+                        row.fwd_ms + sum(w * scale * profile.blocks[i].fwd_ms
+                                         for i, w in covered),
+                        row.glue_ms + sum(w * profile.blocks[i].glue_after_ms
+                                          for i, w in covered),
+                        row.shards or vocab_part(report, name))
+    return list(rows.values())

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 from autopart.schema import Profile
-from autopart.verify.coverage import named_blocks, sliced_loss, stage_blocks, vocab_part
-from autopart.verify.instrument import BlockTimer, block_module_name
+from autopart.verify.coverage import stage_blocks, stage_rows
+from autopart.verify.instrument import BlockTimer
 from autopart.verify.report import RunReport, StageReport
 
 __all__ = ["OUTSIDE_SCALE_RANGE", "block_shares", "fit_outside_scale", "fit_slice_cost",
@@ -82,7 +82,7 @@ def fit_outside_scale(profile: Profile, report: RunReport) -> tuple[float, dict[
         if stage.index not in measured or not covered:
             return 1.0, {}
         own_after = sum(w * profile.blocks[i].glue_after_ms for i, w in covered)
-        rows = _rows(profile, report, stage)
+        rows = stage_rows(profile, report, stage)
         own = sum(row.fwd_ms for row in rows) + own_after + (
             profile.setup.head_slice_fwd_ms if any(row.shards for row in rows) else 0.0)
         stage_lead = lead_ms(profile, min(i for i, _ in covered))
@@ -139,7 +139,7 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
     measured = _measured(report, stage)
     speed: dict[int, float] = {}
     covered: list[tuple[int, float]] = []
-    for row in _rows(profile, report, stage):
+    for row in stage_rows(profile, report, stage):
         covered += row.blocks
         ran = measured.get(row.name, 0.0) - row.glue_ms
         if not row.shards and row.fwd_ms > 0 and ran > 0:
@@ -179,7 +179,7 @@ def fit_slice_cost(profile: Profile, report: RunReport) -> tuple[float, dict[int
     fitted, held = [], []
     for stage in report.stages:
         measured = _measured(report, stage)
-        rows = _rows(profile, report, stage)
+        rows = stage_rows(profile, report, stage)
         shards = [row for row in rows if row.shards]
         if not shards:
             continue
@@ -196,38 +196,6 @@ def fit_slice_cost(profile: Profile, report: RunReport) -> tuple[float, dict[int
         return before, {}
     after = round(max(sum(fitted) / len(fitted), 0.0), 4)
     return after, {s: after - before for s in held}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Row:
-    """One row of a stage's forward (``BlockTimer``) as the cost model prices it."""
-
-    name: str
-    blocks: list[tuple[int, float]]
-    """``(profile block, weight)`` it ran (``coverage.named_blocks``)."""
-    fwd_ms: float
-    """Its blocks' forward; head shards scaled by the sliced loss's ratio."""
-    glue_ms: float
-    """The model's code after its blocks."""
-    shards: bool
-    """Vocabulary shards of the head: the sliced loss, its fixed cost once per stage."""
-
-
-def _rows(profile: Profile, report: RunReport, stage: StageReport) -> list[_Row]:
-    """The rows of ``stage``'s forward, a module's parts (a head's shards) as one."""
-    rows: dict[str, _Row] = {}
-    for name in stage.modules:
-        scale, _, _ = sliced_loss(profile, report, name)
-        covered = named_blocks(profile, report, name)
-        key = block_module_name(name)
-        row = rows.get(key) or _Row(key, [], 0.0, 0.0, False)
-        rows[key] = _Row(key, row.blocks + covered,
-                         row.fwd_ms + sum(w * scale * profile.blocks[i].fwd_ms
-                                          for i, w in covered),
-                         row.glue_ms + sum(w * profile.blocks[i].glue_after_ms
-                                           for i, w in covered),
-                         row.shards or vocab_part(report, name))
-    return list(rows.values())
 
 
 def _measured(report: RunReport, stage: StageReport) -> dict[str, float]:
