@@ -8,6 +8,9 @@ padded batch: the loss and every parameter gradient equal those of
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from runtime_helpers import make_stage_plan, max_grad_diffs, padded_batch, planned_blocks, run_ranks
@@ -85,4 +88,45 @@ def test_custom_loss_fn_is_refused_with_a_split_head():
     plan = make_stage_plan(chain, [7, 1], schedule="1f1b", pp_size=2, num_microbatches=2,
                            blocks=swapped)
     with pytest.raises(RuntimeSetupError, match="in order"):
+        check_parts(plan, chain, model, has_loss_fn=False)
+
+
+def _family_sweep():
+    """``scripts/family_sweep.py``, whose rule shrinks any type's default config."""
+    spec = importlib.util.spec_from_file_location(
+        "family_sweep", Path(__file__).resolve().parent.parent / "scripts" / "family_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("model_type", "extra", "calls"), [
+    ("recurrent_gemma", {}, ("div", "tanh", "mul")),   # logits_soft_cap, a key no list held
+    ("falcon_h1", {}, ("mul",)),                        # lm_head_multiplier
+    ("llama", {}, ()),
+])
+def test_a_head_whose_logits_the_model_changes_is_never_split(model_type, extra, calls):
+    """The split computes the logits itself, so a forward that changes them after the head
+    (a soft-cap, a multiplier) must keep the head whole. What the model's code does to
+    the head's output is watched (``ForwardTrace.after_last``), not looked up by config
+    key: RecurrentGemma's ``logits_soft_cap`` and Falcon-H1's ``lm_head_multiplier`` were
+    in no list, and a plan that split their heads trained on uncapped logits. The profile
+    offers no rows to split (and says why); a plan that splits the head anyway is refused
+    in one line when the pipeline is built."""
+    from autopart.intake.sources import build_hf_model
+    from autopart.profile.model_info import _head_split_rows, model_notes
+    from autopart.runtime.validate import check_parts
+
+    model = build_hf_model(_family_sweep().shrink(model_type, extra))
+    chain = discover_blocks(model)
+    assert chain.trace.after_last == calls
+    if not calls:
+        assert _head_split_rows(model, chain) == model.lm_head.weight.shape[0]
+        return
+    assert _head_split_rows(model, chain) == 0
+    assert any(n.startswith("head: kept whole") for n in model_notes(model, chain, []))
+    plan = make_stage_plan(chain, [len(chain.blocks), 1], schedule="1f1b", pp_size=2,
+                           num_microbatches=2, blocks=planned_blocks(chain, vocab=2))
+    with pytest.raises(RuntimeSetupError, match="changes the logits after lm_head"):
         check_parts(plan, chain, model, has_loss_fn=False)

@@ -20,8 +20,14 @@ if TYPE_CHECKING:  # planning must not import torch
 __all__ = ["head_split_refusal", "vocab_range"]
 
 _LOGIT_TRANSFORMS = ("logit_scale", "final_logit_softcapping", "logits_scaling",
-                     "output_multiplier_scale")
+                     "output_multiplier_scale", "logits_soft_cap")
 """Config fields of HF families whose forward changes the logits after the head."""
+
+_KEEPS_LOGITS = frozenset({
+    "__getitem__", "view", "reshape", "contiguous", "float", "to", "type", "clone",
+    "detach", "narrow", "squeeze", "unsqueeze", "flatten",
+})
+"""Calls on the logits that change no value (views, copies, dtype casts)."""
 
 
 def vocab_range(idx: int, num_shards: int, vocab_size: int) -> tuple[int, int]:
@@ -29,12 +35,16 @@ def vocab_range(idx: int, num_shards: int, vocab_size: int) -> tuple[int, int]:
     return idx * vocab_size // num_shards, (idx + 1) * vocab_size // num_shards
 
 
-def head_split_refusal(model: nn.Module, head: str) -> str | None:
+def head_split_refusal(model: nn.Module, head: str,
+                       after_head: tuple[str, ...] = ()) -> str | None:
     """Why the head ``head`` of ``model`` cannot be split by vocabulary, or ``None``.
 
     The split computes ``hidden @ weight[lo:hi].T (+ bias[lo:hi])`` itself, so the
-    head must be an ``nn.Linear`` whose output the model returns unchanged (no logit
-    scaling or soft-capping in the config).
+    head must be an ``nn.Linear`` whose output the model returns unchanged: no logit
+    scaling or soft-capping in the config, and no call that changes values among
+    ``after_head``, the torch calls the model's own forward applied to the head's
+    output when it was watched (``ForwardTrace.after_last``: RecurrentGemma's
+    ``tanh(logits / cap) * cap``, under a config key no list of known keys held).
     """
     module = model.get_submodule(head)
     from torch import nn
@@ -46,4 +56,8 @@ def head_split_refusal(model: nn.Module, head: str) -> str | None:
         value = getattr(config, field, None)
         if value not in (None, 1, 1.0, 0, 0.0, False):
             return f"the model's forward changes the logits after {head} ({field}={value})"
+    changes = [name for name in after_head if name not in _KEEPS_LOGITS]
+    if changes:
+        return f"the model's forward changes the logits after {head} (it calls " \
+               f"{', '.join(changes[:3])} on them)"
     return None

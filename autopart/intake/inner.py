@@ -162,7 +162,8 @@ def _rebuild(model: nn.Module, chain, order: list[str], inner: ForwardTrace, cut
             safe.append(chain.trace.safe_cuts[old_at[k]])
             carries.append(() if safe[-1] else None)
     trace = ForwardTrace(calls=tuple(records), safe_cuts=tuple(safe),
-                         output_labelled=True, stream_reused=True, carries=tuple(carries))
+                         output_labelled=True, stream_reused=True, carries=tuple(carries),
+                         after_last=chain.trace.after_last)
     blocks = []
     for block in chain.blocks:
         calls = tuple(new_of[c] for c in block.calls)

@@ -80,6 +80,10 @@ class ForwardTrace:
     stream, each as ``(call, leaf)``: the ``leaf``-th flattened argument of an earlier
     ``call`` (a residual kept across the cut); ``None`` where some crossing value is no
     such argument (made by the model's code between blocks) or is not floating point."""
+    after_last: tuple[str, ...] = ()
+    """The torch functions the model's own code applies to the last call's output (an HF
+    causal LM's head: its logits) after that call, in order of first use: ``("tanh",
+    "__mul__")`` where the forward soft-caps the logits, ``()`` where it returns them."""
 
 
 class _Labels(TorchFunctionMode):
@@ -95,6 +99,8 @@ class _Labels(TorchFunctionMode):
         self.params_in_glue: list[str] = []
         self.value_reads: list[str] = []
         """Calls in the glue that read block outputs' values into Python (``.item()``)."""
+        self.applied: list[tuple[float, int, str]] = []
+        """(position, newest call its labelled inputs derive from, name) per glue call."""
         self.inside = 0
 
     def label_of(self, t: Any) -> frozenset[int]:
@@ -133,6 +139,7 @@ class _Labels(TorchFunctionMode):
                 self.uses.append((self.position, max(label), id(x)))
         label = frozenset().union(*labels)
         if label:
+            self.applied.append((self.position, max(label), name))
             self.mark(out, label)
         return out
 
@@ -221,9 +228,12 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
                 else:
                     safe[k] = False
     carries = _carries(mode.uses, stream_ids, arg_of, safe) if carry else ()
+    after = dict.fromkeys(name for position, newest, name in mode.applied
+                          if newest == num - 1 and position > num - 1)
     return [fqns[i] for i in order], ForwardTrace(calls=tuple(records), safe_cuts=tuple(safe),
                                                   output_labelled=bool(final),
-                                                  stream_reused=reused, carries=carries)
+                                                  stream_reused=reused, carries=carries,
+                                                  after_last=tuple(after))
 
 
 def _carries(uses: list[tuple[float, int, int]], stream_ids: list[set[int]],

@@ -22,6 +22,11 @@ def model_notes(model: nn.Module, chain: BlockChain, blocks: list[BlockProfile])
         notes.append(f"attention: eager; transformers has no SDPA attention for "
                      f"{config.model_type}, so it is profiled and trained with eager")
     notes.extend(chain.notes)
+    head = chain.blocks[-1]
+    why = _head_refusal(model, chain) if chain.family == "hf_causal_lm" and \
+        head.kind == "head" and not head.modules else None
+    if why is not None:
+        notes.append(f"head: kept whole (never cut by vocabulary): {why}")
     if chain.granularity == "projection":
         notes.append("projection: decoder layer halves are split before their output "
                      "projection where exact (attention up to o_proj, o_proj, MLP up to "
@@ -79,6 +84,13 @@ def _head_split_rows(model: nn.Module, chain: BlockChain) -> int:
     """Rows of the head's weight if the runtime can split the head by vocabulary, else 0."""
     head = chain.blocks[-1]
     if (chain.family != "hf_causal_lm" or head.kind != "head" or head.modules
-            or head_split_refusal(model, head.name) is not None):
+            or _head_refusal(model, chain) is not None):
         return 0
     return int(model.get_submodule(head.name).weight.shape[0])
+
+
+def _head_refusal(model: nn.Module, chain: BlockChain) -> str | None:
+    """Why the causal LM's head block cannot be split by vocabulary (``head_split_refusal``
+    with what the watched forward did to its output), or ``None``."""
+    after = chain.trace.after_last if chain.trace is not None else ()
+    return head_split_refusal(model, chain.blocks[-1].name, after)
