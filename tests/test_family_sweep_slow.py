@@ -6,7 +6,8 @@ MLA with a dense first layer (DeepSeek-V2), a Mamba hybrid whose stage gradients
 not contiguous (Zamba), a model whose halves read a convolution's weight themselves
 (LFM3), GPT-1 (no ``_no_split_modules``, weights set in its constructor), sparse
 attention whose integer top-k indices cross the cut (Hy-V4), a loss on unshifted
-labels (CPM-Ant), an encoder
+labels (CPM-Ant), RecurrentGemma and Gemma 2 (soft-capped logits: each type whose head
+can be cut by vocabulary trains a second plan with it cut), an encoder
 refused unless it is a decoder (BERT) and an encoder-decoder refused in one line (BART).
 """
 
@@ -27,7 +28,8 @@ _SPEC.loader.exec_module(family_sweep)
 
 EXACT = ["llama", "mixtral", "qwen3_next", "deepseek_v2", "zamba", "lfm3", "openai-gpt",
          "hy_v4", "cpmant",
-         "recurrent_gemma"]  # a split half keeping a real buffer: its walk is timed on meta
+         "recurrent_gemma",  # a split half keeping a real buffer: its walk is timed on meta
+         "gemma2"]  # its soft-capped logits, repeated on each slice of a split head
 REFUSED = {"bart": "refused: model_type 'bart' is an encoder-decoder model",
            "bert": "as a decoder (is_decoder=True): exact"}
 

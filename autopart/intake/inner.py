@@ -163,7 +163,7 @@ def _rebuild(model: nn.Module, chain, order: list[str], inner: ForwardTrace, cut
             carries.append(() if safe[-1] else None)
     trace = ForwardTrace(calls=tuple(records), safe_cuts=tuple(safe),
                          output_labelled=True, stream_reused=True, carries=tuple(carries),
-                         after_last=chain.trace.after_last)
+                         after_last=chain.trace.after_last, logit_ops=chain.trace.logit_ops)
     blocks = []
     for block in chain.blocks:
         calls = tuple(new_of[c] for c in block.calls)

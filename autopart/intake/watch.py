@@ -21,7 +21,7 @@ into one block (GPT-2's ``wte`` and ``wpe``, added after both run).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autopart.errors import ModelSourceError
-from autopart.intake.forward import StandIn, intercept, leaf_paths
+from autopart.intake.forward import StandIn, intercept, leaf_paths, model_output_tensor
+from autopart.intake.head_split import LogitOp, logit_ops
 
 __all__ = []
 
@@ -82,8 +83,11 @@ class ForwardTrace:
     such argument (made by the model's code between blocks) or is not floating point."""
     after_last: tuple[str, ...] = ()
     """The torch functions the model's own code applies to the last call's output (an HF
-    causal LM's head: its logits) after that call, in order of first use: ``("tanh",
-    "__mul__")`` where the forward soft-caps the logits, ``()`` where it returns them."""
+    causal LM's head: its logits) after that call, in order of first use: ``("div",
+    "tanh", "mul")`` where the forward soft-caps the logits, ``()`` where it returns them."""
+    logit_ops: tuple[LogitOp, ...] | None = field(default=(), compare=False)
+    """Those calls as a vocabulary slice of the logits can replay them
+    (``head_split.logit_ops``), ``None`` where it cannot."""
 
 
 class _Labels(TorchFunctionMode):
@@ -99,8 +103,9 @@ class _Labels(TorchFunctionMode):
         self.params_in_glue: list[str] = []
         self.value_reads: list[str] = []
         """Calls in the glue that read block outputs' values into Python (``.item()``)."""
-        self.applied: list[tuple[float, int, str]] = []
-        """(position, newest call its labelled inputs derive from, name) per glue call."""
+        self.applied: list[tuple[float, int, Any, tuple, dict, Any]] = []
+        """(position, newest call its labelled inputs derive from, func, args, kwargs,
+        output) per glue call on labelled values."""
         self.inside = 0
 
     def label_of(self, t: Any) -> frozenset[int]:
@@ -139,7 +144,7 @@ class _Labels(TorchFunctionMode):
                 self.uses.append((self.position, max(label), id(x)))
         label = frozenset().union(*labels)
         if label:
-            self.applied.append((self.position, max(label), name))
+            self.applied.append((self.position, max(label), func, args, kwargs, out))
             self.mark(out, label)
         return out
 
@@ -161,8 +166,10 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
     contexts: dict[int, int] = {}
     stream_ids: list[set[int]] = []
     arg_of: dict[int, tuple[int, int, bool]] = {}  # tensor id -> (call, leaf, floating)
+    last_out: Any = None
 
     def handler(idx: int, module: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
+        nonlocal last_out
         if idx in order:
             raise ModelSourceError(f"{what}'s forward calls {fqns[idx]} more than once; "
                                    f"autopart pipelines blocks that run once per step; pass "
@@ -185,6 +192,7 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
             mode.inside -= 1
         mode.mark(out, frozenset({call}))
         mode.position = call + 0.5
+        last_out = out
         return out
 
     args, kwargs = example
@@ -228,12 +236,27 @@ def trace_forward(model: nn.Module, fqns: list[str], example: tuple[tuple, dict]
                 else:
                     safe[k] = False
     carries = _carries(mode.uses, stream_ids, arg_of, safe) if carry else ()
-    after = dict.fromkeys(name for position, newest, name in mode.applied
-                          if newest == num - 1 and position > num - 1)
-    return [fqns[i] for i in order], ForwardTrace(calls=tuple(records), safe_cuts=tuple(safe),
-                                                  output_labelled=bool(final),
-                                                  stream_reused=reused, carries=carries,
-                                                  after_last=tuple(after))
+    after = [entry[2:] for entry in mode.applied if entry[1] == num - 1 and entry[0] > num - 1]
+    return [fqns[i] for i in order], ForwardTrace(
+        calls=tuple(records), safe_cuts=tuple(safe), output_labelled=bool(final),
+        stream_reused=reused, carries=carries,
+        after_last=tuple(dict.fromkeys(getattr(f, "__name__", "") for f, *_ in after)),
+        logit_ops=_logit_ops(after, last_out, output, mode))
+
+
+def _logit_ops(after: list[tuple[Any, tuple, dict, Any]], last_out: Any, output: Any,
+               mode: _Labels) -> tuple[LogitOp, ...] | None:
+    """``ForwardTrace.logit_ops``: the calls ``after`` the last call, from its output to the
+    tensor the forward returned (``head_split.logit_ops``)."""
+    if not isinstance(last_out, torch.Tensor):
+        return None if after else ()
+    try:
+        final = model_output_tensor(output)
+    except TypeError:
+        return None
+    newest = max(mode.label_of(last_out))
+    return logit_ops(after, last_out, final,
+                     lambda x: bool(mode.label_of(x)) and max(mode.label_of(x)) == newest)
 
 
 def _carries(uses: list[tuple[float, int, int]], stream_ids: list[set[int]],

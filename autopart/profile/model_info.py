@@ -92,5 +92,4 @@ def _head_split_rows(model: nn.Module, chain: BlockChain) -> int:
 def _head_refusal(model: nn.Module, chain: BlockChain) -> str | None:
     """Why the causal LM's head block cannot be split by vocabulary (``head_split_refusal``
     with what the watched forward did to its output), or ``None``."""
-    after = chain.trace.after_last if chain.trace is not None else ()
-    return head_split_refusal(model, chain.blocks[-1].name, after)
+    return head_split_refusal(model, chain.blocks[-1].name, chain.trace)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopart.intake.head_split import LogitOp, replay_logit_ops
 from autopart.intake.hf import IGNORE_INDEX
 from autopart.runtime.groups import wait_and_keep
 from autopart.runtime.held_grads import rows_of
@@ -75,7 +76,8 @@ class _SliceLoss(torch.autograd.Function):
 
 def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows: tuple[int, int], aligned: torch.Tensor,
-                carry: HeadCarry | None = None) -> HeadCarry:
+                carry: HeadCarry | None = None,
+                logit_ops: tuple[LogitOp, ...] = ()) -> HeadCarry:
     """Fold the logits of rows ``[lo, hi)`` into ``carry`` (a fresh one when ``None``).
 
     Args:
@@ -88,6 +90,8 @@ def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             (``autopart.runtime.loss.CausalLMLoss.targets``; ignored positions hold any
             value outside the vocabulary, e.g. -100).
         carry: The values after the previous slices.
+        logit_ops: What the model's code does to its logits after the head, replayed on
+            the slice's (``ForwardTrace.logit_ops``: a soft-cap, a scale).
 
     Returns:
         The carry after this slice.
@@ -95,8 +99,8 @@ def shard_carry(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     lo, hi = rows
     part_bias = rows_of(bias, lo, hi) if bias is not None else None
     used = hidden[..., :aligned.shape[-1], :]
-    return fold_carries(carry, slice_carry(F.linear(used, rows_of(weight, lo, hi), part_bias),
-                                           rows, aligned))
+    logits = replay_logit_ops(logit_ops, F.linear(used, rows_of(weight, lo, hi), part_bias))
+    return fold_carries(carry, slice_carry(logits, rows, aligned))
 
 
 def slice_carry(logits: torch.Tensor, rows: tuple[int, int],

@@ -130,6 +130,8 @@ class ForwardStage(Tree):
                 and not shards[0].first
             self._shards = (head, *rows, starts_inside)
             self.is_last = shards[-1].last
+        # what the model's code does to the logits after the head, replayed on the rows'
+        self._logit_ops = chain.trace.logit_ops if chain.trace is not None else ()
         self._const_kwargs = {"use_cache": False} if chain.family == "hf_causal_lm" else {}
         self._reuse = bool(chain.trace is not None and chain.trace.stream_reused
                            or self._carry_in)
@@ -260,7 +262,8 @@ class ForwardStage(Tree):
         """This stage's vocabulary rows folded into the carry; per-position losses at the end."""
         assert labels is not None, "a head-split stage needs the labels (PipelinedModel.step)"
         head, lo, hi, _ = self._shards
-        carry = shard_carry(hidden, head.weight, head.bias, (lo, hi), labels, carry)
+        carry = shard_carry(hidden, head.weight, head.bias, (lo, hi), labels, carry,
+                            self._logit_ops)
         if self.is_last:
             return token_losses(carry)
         # the next shard stage needs the hidden state too: a copy, never the received tensor

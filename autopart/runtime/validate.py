@@ -180,7 +180,7 @@ def _check_vocab(chain: BlockChain, root: nn.Module, item: DerivedPart, has_loss
         raise RuntimeSetupError(f"{where} splits {head} by vocabulary, but only the head of "
                                 f"an HF causal LM ({last.name} here is a {last.kind}) can be "
                                 f"split; plan with --head whole")
-    why = head_split_refusal(root, head, chain.trace.after_last if chain.trace else ())
+    why = head_split_refusal(root, head, chain.trace)
     if why is not None:
         raise RuntimeSetupError(f"{where} splits the head, but {why}; plan with "
                                 f"--head whole")
