@@ -7,7 +7,8 @@ not contiguous (Zamba), a model whose halves read a convolution's weight themsel
 (LFM3), GPT-1 (no ``_no_split_modules``, weights set in its constructor), sparse
 attention whose integer top-k indices cross the cut (Hy-V4), a loss on unshifted
 labels (CPM-Ant), RecurrentGemma and Gemma 2 (soft-capped logits: each type whose head
-can be cut by vocabulary trains a second plan with it cut), an encoder
+can be cut by vocabulary trains a second plan with it cut), CTRL (its code scales a
+block's output in place, which the profile's glue pass once refused), an encoder
 refused unless it is a decoder (BERT) and an encoder-decoder refused in one line (BART).
 """
 
@@ -29,7 +30,8 @@ _SPEC.loader.exec_module(family_sweep)
 EXACT = ["llama", "mixtral", "qwen3_next", "deepseek_v2", "zamba", "lfm3", "openai-gpt",
          "hy_v4", "cpmant",
          "recurrent_gemma",  # a split half keeping a real buffer: its walk is timed on meta
-         "gemma2"]  # its soft-capped logits, repeated on each slice of a split head
+         "gemma2",  # its soft-capped logits, repeated on each slice of a split head
+         "ctrl"]  # scales its embedding's output in place, in the model's own code
 REFUSED = {"bart": "refused: model_type 'bart' is an encoder-decoder model",
            "bert": "as a decoder (is_decoder=True): exact"}
 

@@ -248,3 +248,42 @@ def test_a_cut_inside_a_block_names_the_cuts_there():
                                         r"of the profile: its call ends inside a block at the "
                                         r"layer level \(cuts there: model.layers.2\)"):
         cut_bounds(llama_like(4), ["model.layers.2.self_attn.o_proj"], 2, "auto")
+
+
+def test_the_ilp_second_opinion_skips_a_chain_cut_inside_the_head(monkeypatch):
+    """``solver="auto"`` asks the ILP on the coarsest chain, but not where that chain cuts
+    between vocabulary shards: identical shards make the MIP symmetric (tiny-llama at pp 8
+    under Interleaved 1F1B: 10-25 s a solve for the plan the DP found alone in 7 s). The
+    whole-head chain still gets it, and the plan is the one without the ILP on shards."""
+    from autopart.solve import propose
+
+    asked = []
+    real = propose.propose_ilp
+
+    def spy(setting, config, options, chain=None, starts=None):
+        blocks = setting.profile.blocks
+        asked.append(sum(1 for i in starts[:-1] if blocks[i].parts))  # blocks from shards
+        return real(setting, config, options, chain, starts)
+
+    monkeypatch.setattr(propose, "propose_ilp", spy)
+    kwargs = {"schedule": "interleaved-1f1b", "num_microbatches": 16}
+    make_plan(_splittable(), pp_size=2, **kwargs)
+    assert asked and max(asked) <= 1, asked  # whole layers, the head whole: one block
+    asked.clear()  # 8 ranks: whole layers are too few, the coarsest chain has the shards
+    plan = make_plan(_splittable(), pp_size=8, **kwargs)
+    assert asked == [], asked
+    assert plan.head_shards and plan.predicted_step_ms == make_plan(
+        _splittable(), pp_size=8, solver="dp", **kwargs).predicted_step_ms
+
+
+def test_a_choice_with_too_few_blocks_for_the_stages_is_passed_over():
+    """4 layers on 8 ranks: with the head whole the model has 7 blocks, in 24 shards 30.
+    ``auto`` plans the shards; it used to refuse the whole request because the head-whole
+    choice, tried second, could not host 8 stages ("pp_size (8) exceeds the number of
+    blocks (7) ... plan at a finer level", while planning at the finest). With the head
+    kept whole the refusal stays, in one line."""
+    plan = make_plan(_splittable(), pp_size=8, schedule="1f1b", num_microbatches=8)
+    assert plan.head_shards == 24 and len(plan.stages) == 8
+    with pytest.raises(PlanError, match=r"pp_size \(8\) exceeds the number of blocks \(7\)"):
+        make_plan(_splittable(), pp_size=8, schedule="1f1b", num_microbatches=8,
+                  split_head=False)

@@ -135,12 +135,15 @@ class ForwardRunner:
 
         n = len(self.chain.call_fqns)
         saved, seen, held = [0] * n, set(), set()
-        current = [0]
+        current, copies = [0], []
 
         def visit(idx: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
             current[0] = idx
-            out = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(
-                t.is_floating_point()), outputs[idx])
+            # a copy that is no leaf, as a block's output on its stage is: CTRL scales
+            # its embedding's output in place, which a leaf that requires grad refuses
+            out = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_().clone()
+                                if t.is_floating_point() else t.detach(), outputs[idx])
+            copies.append(out)  # alive to the end: a freed storage's key can come again
             held.update(storage_key(t) for t in tree_flatten(out)[0]
                         if isinstance(t, torch.Tensor))
             return out

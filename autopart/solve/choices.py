@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autopart.errors import InfeasibleError, PlanError
+from autopart.errors import PlanError
 from autopart.levels import MAX_SLICES, at_level, num_shards
 from autopart.schema import LEVELS, Plan, Profile
 from autopart.schema.parts import level_name
@@ -181,7 +181,10 @@ def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
     searched again over their best configurations with it, and the faster of those wins.
 
     Raises:
-        InfeasibleError: No choice fits (the first choice's message).
+        PlanError: No choice fits or has the stages asked for (the first choice's
+            message; ``InfeasibleError`` where it did not fit memory). A choice that
+            cannot, the head whole where only its shards give enough blocks for the
+            stages, is passed over.
     """
     tried, notes = choices(profile, request)
     refine = request.search.refine_evals > 0 and len(tried) > 1
@@ -189,13 +192,13 @@ def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
         request.search, refine_evals=0)) if refine else request
     rounds = len(tried) + (2 if refine else 0)
     found: list[tuple[Choice, Plan, list[Config]]] = []
-    first_error: InfeasibleError | None = None
+    first_error: PlanError | None = None
     carried: list[Config] | None = None
     for k, choice in enumerate(tried):
         try:
             plan, ranked = plan_at(_profile_at(profile, choice), scan, carried,
                                    _progress(progress, k, rounds))
-        except InfeasibleError as exc:
+        except PlanError as exc:  # infeasible, or this level too coarse for the stages
             first_error = first_error or exc
             continue
         if carried is None:

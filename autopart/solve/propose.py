@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from autopart.errors import PlanError
 from autopart.schedules import recompute_allowed, schedule_info, stage_to_rank
-from autopart.schema import SolverInfo
+from autopart.schema import Profile, SolverInfo
 from autopart.simulate import max_in_flight
 from autopart.solve.baselines import BASELINES
 from autopart.solve.chain import Chain
@@ -46,16 +46,29 @@ def propose(setting: Setting, config: Config, options: Options) -> list[Candidat
 def second_opinion(setting: Setting, config: Config, options: Options) -> list[Candidate]:
     """``solver="auto"``: the ILP's split for a multi-stage configuration, on the coarsest
     chain (whole layers and head when the profile is cut inside them) if it has at most
-    ``ILP_AUTO_MAX_CELLS`` blocks x stages; its exact rank sums seed the local search on
-    the finer chain. The search asks for it on its best configurations only."""
+    ``ILP_AUTO_MAX_CELLS`` blocks x stages and does not cut the head into shards (where
+    whole layers are too few for the stages); its exact rank sums seed the local search
+    on the finer chain. The search asks for it on its best configurations only."""
     if options.solver != "auto" or config.virtual_stages == 1 or options.cuts is not None \
             or options.partition != "optimal":
         return []
     chain, starts = setting.coarser[-1] if setting.coarser else (setting.chain, setting.starts)
     if config.num_stages > chain.num_blocks or \
-            chain.num_blocks * config.num_stages > ILP_AUTO_MAX_CELLS:
+            chain.num_blocks * config.num_stages > ILP_AUTO_MAX_CELLS or \
+            _cuts_inside_head(setting.profile, starts):
         return []
     return propose_ilp(setting, config, options, chain, starts)
+
+
+def _cuts_inside_head(profile: Profile, starts: tuple[int, ...]) -> bool:
+    """Whether a chain (its blocks' original ``starts``) may cut between vocabulary shards
+    of the head: the ILP of such a chain is symmetric in its identical shards, and HiGHS
+    spent 10-25 s a problem proving what the DP had found (tiny-llama at pp 8 under
+    Interleaved 1F1B, where whole layers are too few for the stages: the same plan in
+    7 s without it, 120-340 s with it)."""
+    blocks = profile.blocks
+    return sum(1 for i in starts[:-1]
+               if blocks[i].parts and blocks[i].parts[-1].axis == "vocab") > 1
 
 
 def _recompute_allowed(config: Config, options: Options) -> bool:
