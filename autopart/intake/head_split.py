@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # planning must not import torch
     from torch import nn
 
-    from autopart.intake.watch import ForwardTrace
-
 __all__ = ["LOGITS", "LogitOp", "head_split_refusal", "logit_ops", "replay_logit_ops",
            "vocab_range"]
 
@@ -121,8 +119,7 @@ def vocab_range(idx: int, num_shards: int, vocab_size: int) -> tuple[int, int]:
     return idx * vocab_size // num_shards, (idx + 1) * vocab_size // num_shards
 
 
-def head_split_refusal(model: nn.Module, head: str,
-                       trace: ForwardTrace | None = None) -> str | None:
+def head_split_refusal(model: nn.Module, head: str, trace: Any = None) -> str | None:
     """Why the head ``head`` of ``model`` cannot be split by vocabulary, or ``None``.
 
     The split computes ``hidden @ weight[lo:hi].T (+ bias[lo:hi])`` itself, so the
@@ -130,7 +127,8 @@ def head_split_refusal(model: nn.Module, head: str,
     before returning them must be replayable on a slice of them: calls on each logit
     alone with scalars (``ForwardTrace.logit_ops``: Gemma 2's soft-cap ``tanh(logits /
     cap) * cap``, Cohere's ``logits * logit_scale``), which each stage with shards
-    replays on its rows. Without a watched forward (``trace`` ``None``), any logit
+    replays on its rows. ``trace`` is the watched forward (``autopart.intake.watch.
+    ForwardTrace``, which imports this module); without one (``None``), any logit
     scaling or soft-capping in the config refuses the split.
     """
     module = model.get_submodule(head)
