@@ -127,6 +127,7 @@ def fuse(blocks: Sequence[BlockProfile], *, name: str | None = None, kind: str |
         split_extra_ms=total("split_extra_ms"),
         param_bytes=int(total("param_bytes")), num_params=int(total("num_params")),
         activation_bytes=int(total("activation_bytes")),
+        glue_saved_bytes=int(total("glue_saved_bytes")),
         held_for_weight_bytes=int(total("held_for_weight_bytes")), transient_bytes=work,
         adopted_grad_bytes=work - max(b.transient_bytes - b.adopted_grad_bytes for b in blocks),
         fwd_ms_spread=max(b.fwd_ms_spread for b in blocks),
@@ -171,6 +172,7 @@ def part_of(block: BlockProfile, part: Part, units: int, *, output_bytes: int,
         bwd_input_ms=block.bwd_input_ms * frac, bwd_weight_ms=block.bwd_weight_ms * frac,
         split_extra_ms=block.split_extra_ms * frac,
         activation_bytes=share(block.activation_bytes),
+        glue_saved_bytes=share(block.glue_saved_bytes),
         held_for_weight_bytes=share(block.held_for_weight_bytes),
         adopted_grad_bytes=min(share(block.adopted_grad_bytes), share(block.transient_bytes))
         if adopted else 0,
@@ -297,8 +299,10 @@ def split_head(profile: Profile, count: int) -> Profile:
     hidden = profile.blocks[-2].output_bytes
     count = min(count, rows)
     per_token = hidden // max(setup.seq_len * setup.micro_batch_size, 1)
-    head = dataclasses.replace(head, **_sliced_loss_bytes(rows, positions, setup.dtype,
-                                                          per_token),
+    sliced = _sliced_loss_bytes(rows, positions, setup.dtype, per_token)
+    # what the model's code after the head saves, each slice repeats on its rows
+    sliced["activation_bytes"] += head.glue_saved_bytes
+    head = dataclasses.replace(head, **sliced,
                                **_sliced_loss_times(head, setup.head_slice_fwd_ratio,
                                                     setup.head_slice_bwd_ratio))
     shards = [part_of(head, Part(module=head.name, axis="vocab", index=k, count=count), rows,

@@ -253,7 +253,8 @@ class GlueTimes:
         return [dataclasses.replace(block, glue_after_ms=round(after[i], 4),
                                     stand_in_ms=round(stand_in[i], 4),
                                     walk_ms=round(walk.get(i, 0.0), 4),
-                                    activation_bytes=block.activation_bytes + saved[i])
+                                    activation_bytes=block.activation_bytes + saved[i],
+                                    glue_saved_bytes=saved[i])
                 for i, block in enumerate(blocks)]
 
 

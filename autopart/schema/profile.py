@@ -19,7 +19,7 @@ _NON_NEGATIVE_BLOCK_FIELDS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms
                               "activation_bytes", "output_bytes", "transient_bytes",
                               "num_params", "compile_ms", "held_for_weight_bytes",
                               "adopted_grad_bytes", "glue_after_ms", "stand_in_ms", "walk_ms",
-                              "split_extra_ms")
+                              "split_extra_ms", "glue_saved_bytes")
 OPTIMIZERS = ("adam", "sgd", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -102,6 +102,12 @@ class BlockProfile:
     glue_fwd_ms`` less every block's ``glue_after_ms`` runs before the first block, on
     every stage). 0 in profiles written before this field, which charge the whole glue
     to every stage."""
+    glue_saved_bytes: int = 0
+    """The part of ``activation_bytes`` that the model's own code after the block saves
+    for its backward (Gemma 2's soft-capped logits after the head: its ``tanh``'s output).
+    A head cut into shards repeats that code on each slice (``intake.head_split.
+    logit_ops``), so each shard holds its share. 0 in profiles written before this
+    field."""
     stand_in_ms: float = 0.0
     """Per F, what a stage after the block pays to stand in for its calls (zeros of its
     output's shape, ``autopart.intake.forward.StandIn``)."""

@@ -264,6 +264,7 @@ def rescaled(profile: Profile, micro_batch_size: int) -> Profile:
         b, fwd_ms=b.fwd_ms * factor, bwd_ms=b.bwd_ms * factor,
         bwd_input_ms=b.bwd_input_ms * factor, bwd_weight_ms=b.bwd_weight_ms * factor,
         activation_bytes=round(b.activation_bytes * factor),
+        glue_saved_bytes=round(b.glue_saved_bytes * factor),
         held_for_weight_bytes=round(b.held_for_weight_bytes * factor),
         output_bytes=round(b.output_bytes * factor),
         transient_bytes=round(b.transient_bytes * factor),
