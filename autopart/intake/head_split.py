@@ -25,11 +25,6 @@ if TYPE_CHECKING:  # planning must not import torch
 __all__ = ["LOGITS", "LogitOp", "head_split_refusal", "logit_ops", "replay_logit_ops",
            "vocab_range"]
 
-_LOGIT_TRANSFORMS = ("logit_scale", "final_logit_softcapping", "logits_scaling",
-                     "output_multiplier_scale", "logits_soft_cap")
-"""Config fields of HF families whose forward changes the logits after the head: read
-only where no watched forward says what the code does (``ForwardTrace.logit_ops``)."""
-
 ELEMENTWISE = frozenset({
     "div", "__truediv__", "__rtruediv__", "true_divide", "mul", "__mul__", "__rmul__",
     "multiply", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "subtract",
@@ -128,23 +123,18 @@ def head_split_refusal(model: nn.Module, head: str, trace: Any = None) -> str | 
     alone with scalars (``ForwardTrace.logit_ops``: Gemma 2's soft-cap ``tanh(logits /
     cap) * cap``, Cohere's ``logits * logit_scale``), which each stage with shards
     replays on its rows. ``trace`` is the watched forward (``autopart.intake.watch.
-    ForwardTrace``, which imports this module); without one (``None``), any logit
-    scaling or soft-capping in the config refuses the split.
+    ForwardTrace``, which imports this module); without one (``None``) the split is
+    refused: what the code does to the logits is unknown.
     """
     module = model.get_submodule(head)
     from torch import nn
 
     if not isinstance(module, nn.Linear):
         return f"the head {head} is a {type(module).__name__}, not an nn.Linear"
-    if trace is not None:
-        if trace.logit_ops is None:
-            calls = ", ".join(trace.after_last[:3])
-            return f"the model's forward changes the logits after {head} in a way a " \
-                   f"slice of them cannot repeat (it calls {calls} on them)"
-        return None
-    config = getattr(model, "config", None)
-    for field in _LOGIT_TRANSFORMS:
-        value = getattr(config, field, None)
-        if value not in (None, 1, 1.0, 0, 0.0, False):
-            return f"the model's forward changes the logits after {head} ({field}={value})"
+    if trace is None:
+        return "the model's forward was not watched, so what it does to the logits is unknown"
+    if trace.logit_ops is None:
+        calls = ", ".join(trace.after_last[:3])
+        return f"the model's forward changes the logits after {head} in a way a " \
+               f"slice of them cannot repeat (it calls {calls} on them)"
     return None
