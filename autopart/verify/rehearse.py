@@ -29,7 +29,12 @@ which read alike, while runs minutes apart do not, so one run's stage factors ca
 spell into every plan (``docs/timing-sweep.md``). Where the two runs' steps differ by
 more than ``LAUNCH_SPREAD`` a third run decides, and the two fastest are pooled: a
 shared host's load only ever slows a run, so of three runs the slowest is the one a slow
-spell took, even where two runs shared the spell (``_fastest_two``).
+spell took, even where two runs shared the spell (``_fastest_two``). The Interleaved
+split runs again after the second 1F1B run and is pooled the same way, since its post
+price is every multi-stage schedule's: in r32 its one run read the heavy-head Llama's
+even split 9.7% above the sweep's runs of it, and every Interleaved plan of that model
+carried the spell (the plan's +19.9%). GPipe's run, 1.7x longer and its price GPipe's
+alone, runs once.
 The Interleaved and GPipe runs' stages are not pooled: their F and B differ from 1F1B's
 on small models (GPipe's eight microbatches in flight ran the tiny Qwen2's blocks 1.3x
 slower), and their posts are priced with the blocks as pooled. ``autopart profile --pp
@@ -93,7 +98,7 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     settings = RunSettings(model=source, steps=steps, warmup=warmup,
                            threads_per_rank=max(1, profile.setup.num_threads))
     first, launches = verify_steadily(plan, settings, progress=progress)
-    kinds = []  # (record key, name, plan, its run and launches, or the refusal)
+    kinds = []  # (record key, name, plan, its runs (run, launches), or the refusal)
     for key, name, schedule, v, m in (
             ("runtime_post", "interleaved 1F1B (v 2)", "interleaved-1f1b", 2, 2 * pp_size),
             ("gpipe_post", f"GPipe (m {4 * pp_size})", "gpipe", 1, 4 * pp_size)):
@@ -102,16 +107,24 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
         try:
             kind = make_plan(profile, pp_size=pp_size, num_microbatches=m,
                              schedule=schedule, virtual_stages=v, partition="even")
-            kinds.append((key, name, kind, *verify_steadily(kind, settings, progress=progress)))
+            kinds.append((key, name, kind, [verify_steadily(kind, settings, progress=progress)]))
         except AutopartError as exc:
-            kinds.append((key, name, None, exc, ()))
+            kinds.append((key, name, None, exc))
     runs = [(first, launches), verify_steadily(plan, settings, progress=progress)]
+    # the Interleaved run again, minutes after its first: its price is every
+    # multi-stage schedule's (module docstring)
+    again = [kind for kind in kinds if kind[0] == "runtime_post" and kind[2] is not None]
+    for _, _, kind, kind_runs in again:
+        kind_runs.append(verify_steadily(kind, settings, progress=progress))
     if not agree(*(run.measured_step_ms for run, _ in runs), LAUNCH_SPREAD):
         runs.append(verify_steadily(plan, settings, progress=progress))
+    for _, _, kind, kind_runs in again:
+        if not agree(*(run.measured_step_ms for run, _ in kind_runs), LAUNCH_SPREAD):
+            kind_runs.append(verify_steadily(kind, settings, progress=progress))
     pooled = _fastest_two(runs)
     report = pooled_report(tuple(run for run, _ in pooled))
     what = (f"even split, 1F1B, m {plan.num_microbatches}, {steps} step(s) on {pp_size} "
-            f"local ranks, {'twice' if len(runs) == 2 else 'three times'}")
+            f"local ranks, {_times(runs)}")
     calibrated = calibrate_profile(profile, report, plan, source=f"rehearsal: {what}")
     record = dict(calibrated.calibration, launches_ms=_rounded(launches),
                   again_launches_ms=_rounded(runs[1][1]))
@@ -129,33 +142,35 @@ def rehearse(profile: Profile, source: str, pp_size: int, *, steps: int = REHEAR
     counted = (f", router loss counting pass priced {count['priced_ms']:.1f} ms, measured "
                f"{count['measured_ms']:.1f} ms (x{count['after']:.2f})" if count else "")
     priced = []
-    for key, name, kind, run, kind_launches in kinds:
+    for key, name, kind, kind_runs in kinds:
         if kind is None:
-            priced.append(f"; {name} not rehearsed ({run})")
+            priced.append(f"; {name} not rehearsed ({kind_runs})")
             continue
         # the same even cuts, predicted from the rehearsed blocks
         kind = plan_again(calibrated, kind)
+        run = pooled_report(tuple(run for run, _ in _fastest_two(kind_runs)))
         outside = (measured_post_ms(run, calibrated.runtime_overhead)
                    if key == "gpipe_post" else None)
         overhead, fitted = fit_post_price(kind, run.measured_step_ms,
                                           calibrated.runtime_overhead, others=False,
                                           outside_ms=outside)
-        record[key] = dict(fitted, launches_ms=_rounded(kind_launches))
+        record[key] = dict(fitted, **{field: _rounded(kind_launches) for field, (_, kind_launches)
+                                      in zip(_LAUNCH_FIELDS, kind_runs)})
         calibrated = dataclasses.replace(calibrated, runtime_overhead=overhead)
         why = (" (its ranks' time outside actions: free posts predict above its step)"
                if fitted.get("from_outside") else "")
-        priced.append(f"; {name} measured {run.measured_step_ms:.1f} ms"
-                      f"{_of_launches(kind_launches)}: {fitted['before_ms']:.3f} -> "
+        measured = ", then ".join(f"{each.measured_step_ms:.1f} ms{_of_launches(each_launches)}"
+                                  for each, each_launches in kind_runs)
+        pooling = "" if len(kind_runs) == 1 else f" ({_times(kind_runs)}, {_which(kind_runs)})"
+        priced.append(f"; {name} measured {measured}{pooling}: {fitted['before_ms']:.3f} -> "
                       f"{fitted['after_ms']:.3f} ms per post{why}")
     setup = dataclasses.replace(calibrated.setup, time_source=(
         f"{calibrated.setup.time_source}; then rehearsed ({what}): blocks scaled by their "
         f"stage's measured / predicted F and B, posts priced by the run's step"))
     measured = ", then ".join(f"{run.measured_step_ms:.1f} ms{_of_launches(run_launches)}"
                               for run, run_launches in runs)
-    which = ("their geometric mean" if len(runs) == 2 else
-             "the two fastest, their geometric mean")
     summary = (f"rehearsal ({what}): predicted {report.predicted_step_ms:.1f} ms, measured "
-               f"{measured}; folded in ({which}): {factors}{counted}{posts}{latency}"
+               f"{measured}; folded in ({_which(runs)}): {factors}{counted}{posts}{latency}"
                f"{''.join(priced)}")
     return Rehearsal(profile=dataclasses.replace(calibrated, setup=setup, calibration=record),
                      summary=summary)
@@ -169,6 +184,20 @@ def _fastest_two(runs: list[tuple[RunReport, tuple[float, ...]]]
     runs of 688.7, 609.9 and 664.3 ms pooled the slower two, and every plan read 9-17%
     over its run (r21, ``docs/timing-sweep.md``)."""
     return fastest_two(runs, lambda run: run[0].measured_step_ms)
+
+
+_LAUNCH_FIELDS = ("launches_ms", "again_launches_ms", "third_launches_ms")
+"""A kind's record: each of its runs' launches, in the order they ran."""
+
+
+def _times(runs: list) -> str:
+    """``twice`` or ``three times``: how often a split ran."""
+    return "twice" if len(runs) == 2 else "three times"
+
+
+def _which(runs: list) -> str:
+    """What of a split's runs was folded in (``_fastest_two``)."""
+    return "their geometric mean" if len(runs) == 2 else "the two fastest, their geometric mean"
 
 
 def _rounded(launches: tuple[float, ...]) -> list[float]:
