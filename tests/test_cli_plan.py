@@ -76,7 +76,8 @@ def test_simulate_replays_the_plan(profile_path, tmp_path, capsys):
 def test_pp_larger_than_blocks(profile_path, capsys):
     assert main(["plan", str(profile_path), "--pp", "64"]) == 2
     err = _one_line_error(capsys)
-    assert "pp_size (64) exceeds the number of blocks (11)" in err and "lower --pp" in err
+    assert "pp_size (64) exceeds the number of blocks of" in err
+    assert "(11: layer, head whole); lower --pp to at most 11" in err
 
 
 def test_infeasible_memory_names_what_fits(profile_path, tmp_path, capsys):

@@ -202,7 +202,8 @@ def test_memory_limit_gives_rank0_fewer_layers_and_says_why():
 
 
 def test_pp_larger_than_blocks_names_both_numbers():
-    with pytest.raises(PlanError, match=r"pp_size \(20\) exceeds the number of blocks \(11\)"):
+    with pytest.raises(PlanError, match=r"pp_size \(20\) exceeds the number of blocks of .* "
+                       r"\(11: layer, head whole\); lower --pp to at most 11"):
         make_plan(llama_like(8), pp_size=20, num_microbatches=20)
 
 

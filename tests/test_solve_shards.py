@@ -281,9 +281,21 @@ def test_a_choice_with_too_few_blocks_for_the_stages_is_passed_over():
     ``auto`` plans the shards; it used to refuse the whole request because the head-whole
     choice, tried second, could not host 8 stages ("pp_size (8) exceeds the number of
     blocks (7) ... plan at a finer level", while planning at the finest). With the head
-    kept whole the refusal stays, in one line."""
+    kept whole the refusal stays, in one line; where no choice has enough blocks, it names
+    the most any has (30, the shards'), not the first choice's count (it named 7 for 31
+    stages, and a plan of 30 stages ran)."""
     plan = make_plan(_splittable(), pp_size=8, schedule="1f1b", num_microbatches=8)
     assert plan.head_shards == 24 and len(plan.stages) == 8
-    with pytest.raises(PlanError, match=r"pp_size \(8\) exceeds the number of blocks \(7\)"):
+    with pytest.raises(PlanError, match=r"pp_size \(8\) exceeds the number of blocks of "
+                       r"'.*' at its finest cuts the options allow \(7: layer, head whole\); "
+                       r"lower --pp to at most 7 stages"):
         make_plan(_splittable(), pp_size=8, schedule="1f1b", num_microbatches=8,
                   split_head=False)
+    assert len(make_plan(_splittable(), pp_size=30, schedule="1f1b", num_microbatches=30,
+                         solver="dp").stages) == 30
+    with pytest.raises(PlanError, match=r"pp_size \(31\) .* \(30: layer, head in 24 shards\)"):
+        make_plan(_splittable(), pp_size=31, schedule="1f1b", num_microbatches=31)
+    with pytest.raises(PlanError, match=r"pp_size \* virtual_stages \(8 \* 4\) .* \(30: "
+                       r"layer, head in 24 shards\); lower --pp or --virtual-stages"):
+        make_plan(_splittable(), pp_size=8, schedule="interleaved-1f1b", virtual_stages=4,
+                  num_microbatches=8)

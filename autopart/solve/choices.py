@@ -181,8 +181,9 @@ def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
     searched again over their best configurations with it, and the faster of those wins.
 
     Raises:
-        PlanError: No choice fits or has the stages asked for (the first choice's
-            message; ``InfeasibleError`` where it did not fit memory). A choice that
+        PlanError: No choice fits or has the stages asked for (``_refusal``: the most
+            blocks any choice has, where none has enough; else the first refusal of one
+            that has, ``InfeasibleError`` where it did not fit memory). A choice that
             cannot, the head whole where only its shards give enough blocks for the
             stages, is passed over.
     """
@@ -192,21 +193,20 @@ def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
         request.search, refine_evals=0)) if refine else request
     rounds = len(tried) + (2 if refine else 0)
     found: list[tuple[Choice, Plan, list[Config]]] = []
-    first_error: PlanError | None = None
+    errors: list[tuple[Choice, PlanError]] = []
     carried: list[Config] | None = None
     for k, choice in enumerate(tried):
         try:
             plan, ranked = plan_at(_profile_at(profile, choice), scan, carried,
                                    _progress(progress, k, rounds))
         except PlanError as exc:  # infeasible, or this level too coarse for the stages
-            first_error = first_error or exc
+            errors.append((choice, exc))
             continue
         if carried is None:
             carried = ranked[:_CONFIGS_CARRIED]
         found.append((choice, plan, ranked))
     if not found:
-        assert first_error is not None
-        raise first_error
+        raise _refusal(profile, errors, request)
     plans = [(c, p) for c, p, _ in found]
     if refine:
         finalists = _finalists(plans)
@@ -223,6 +223,27 @@ def plan_levels(profile: Profile, request: Request, plan_at: PlanAt,
     choice, best = _fastest(finalists)
     notes += choice_notes(profile, choice) + _alternatives(plans, choice)
     return dataclasses.replace(best, notes=(*best.notes, *notes))
+
+
+def _refusal(profile: Profile, errors: list[tuple[Choice, PlanError]], request: Request
+             ) -> PlanError:
+    """Why no choice planned. Where every choice has fewer blocks than the stages asked
+    for, a refusal that names the most any choice has: the first choice's count, which its
+    own refusal names, is not the limit where slices or head shards add blocks. Else the
+    first refusal of a choice with blocks enough (memory, usually)."""
+    fixed = request.virtual_stages
+    many = isinstance(fixed, int) and fixed > 1
+    stages = request.options.pp_size * (fixed if many else 1)
+    counted = [(len(_profile_at(profile, c).blocks), c, exc) for c, exc in errors]
+    most, widest, _ = max(counted, key=lambda item: item[0])
+    if stages <= most:
+        return next(exc for num, _, exc in counted if num >= stages)
+    asked = (f"pp_size * virtual_stages ({request.options.pp_size} * {fixed})" if many
+             else f"pp_size ({stages})")
+    return PlanError(f"{asked} exceeds the number of blocks of {profile.model.name!r} at "
+                     f"its finest cuts the options allow ({most}: {widest.label}); lower "
+                     f"{'--pp or --virtual-stages' if many else '--pp'} to at most {most} "
+                     f"stages in all")
 
 
 def _finalists(plans: list[tuple[Choice, Plan]]) -> list[tuple[Choice, Plan]]:
