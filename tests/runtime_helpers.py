@@ -132,7 +132,7 @@ def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
     aliases = aliases or {}
     diffs = {}
     for name, p in named_params:
-        ref = ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
+        ref = _reference(ref_grads, aliases, name)
         if ref is None and (p.grad is None or not p.grad.any()):
             diffs[name] = 0.0  # no gradient in either model
         elif p.grad is None or ref is None:
@@ -142,9 +142,15 @@ def max_grad_diffs(named_params: list[tuple[str, torch.nn.Parameter]],
     return diffs
 
 
+def _reference(ref_grads: dict[str, torch.Tensor], aliases: dict[str, str],
+               name: str) -> torch.Tensor | None:
+    """``name``'s reference gradient, under its own name or its tied alias's."""
+    return ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
+
+
 def _largest(ref_grads: dict[str, torch.Tensor], aliases: dict[str, str], name: str) -> float:
     """The largest |entry| of ``name``'s reference gradient (0 where it has none)."""
-    ref = ref_grads.get(name, ref_grads.get(aliases.get(name, ""), None))
+    ref = _reference(ref_grads, aliases, name)
     return 0.0 if ref is None else ref.float().abs().max().item()
 
 
