@@ -126,15 +126,21 @@ def print_report(report: RunReport, console: Console) -> None:
         w = ([f"{s.predicted_bwd_weight_ms:.2f}", f"{s.measured_bwd_weight_ms:.2f}",
               _err(s.predicted_bwd_weight_ms, s.measured_bwd_weight_ms)]
              if s.measured_bwd_weight_ms is not None else ["", "", ""])
-        b_pred, b_meas = ((s.predicted_bwd_input_ms, s.measured_bwd_input_ms)
+        b_pred, b_meas = ((s.predicted_bwd_input_span_ms, s.measured_bwd_input_ms)
                           if s.measured_bwd_input_ms is not None
-                          else (s.predicted_bwd_ms, s.measured_bwd_ms))
-        stages.add_row(str(s.index), str(s.rank), f"{s.predicted_fwd_ms:.2f}",
-                       f"{s.measured_fwd_ms:.2f}", _err(s.predicted_fwd_ms, s.measured_fwd_ms),
+                          else (s.predicted_bwd_span_ms, s.measured_bwd_ms))
+        stages.add_row(str(s.index), str(s.rank), f"{s.predicted_fwd_span_ms:.2f}",
+                       f"{s.measured_fwd_ms:.2f}",
+                       _err(s.predicted_fwd_span_ms, s.measured_fwd_ms),
                        f"{b_pred:.2f}", f"{b_meas:.2f}", _err(b_pred, b_meas), *w)
     console.print(stages)
     if all(s.measured_bwd_input_ms is None for s in report.stages):
         console.print("B = full backward (B + W): this schedule does not split them")
+    posts = max((s.predicted_post_ms for s in report.stages), default=0.0)
+    if posts > 0:
+        console.print(f"pred: what each action's span holds; the posts of a stage's sends "
+                      f"and receives (up to {posts:.2f} ms per F and per B) are priced beside "
+                      f"it, in the step", highlight=False)
     ranks = Table(title="per rank, one step")
     meshed = report.tp_size * report.dp_size > 1
     for col in ("rank", *(("dp", "tp", "step meas") if meshed else ()), "mem pred",
@@ -182,8 +188,9 @@ def print_drivers(report: RunReport, profile: Profile, console: Console) -> None
     for s in report.stages:
         rows = ", ".join(f"{e.block} {e.predicted_fwd_ms:.2f} -> {e.measured_fwd_ms:.2f} "
                          f"({e.delta_ms:+.2f})" for e in drivers.get(s.index, ()))
-        console.print(f"  stage {s.index} (F {_err(s.predicted_fwd_ms, s.measured_fwd_ms)}): "
-                      f"{rows}", highlight=False, soft_wrap=True)
+        error = _err(s.predicted_fwd_span_ms, s.measured_fwd_ms)
+        console.print(f"  stage {s.index} (F {error}): {rows}", highlight=False,
+                      soft_wrap=True)
 
 
 def _err(predicted: float, measured: float | None) -> str:

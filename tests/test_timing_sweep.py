@@ -79,8 +79,30 @@ def _run(predicted: float, launches: tuple[float, ...]):
     rank = SimpleNamespace(predicted_peak_memory_bytes=100, measured_peak_memory_bytes=100)
     report = SimpleNamespace(measured_step_ms=100.0, stages=[stage], ranks=[rank])
     plan = SimpleNamespace(predicted_step_ms=predicted,
-                           stages=[SimpleNamespace(fwd_ms=10.0, bwd_ms=20.0)])
+                           setup=SimpleNamespace(runtime_overhead=None),
+                           stages=[SimpleNamespace(index=0, fwd_ms=10.0, bwd_ms=20.0)])
     return timing_sweep.Run("s", "1f1b", "even", report, {"m": plan}, launches=launches)
+
+
+def test_stage_errors_take_the_posts_off_the_predicted_stage():
+    """A measured F or B span holds no posts: three stages whose spans are their predicted
+    F and B less 0.5 ms per cut (the check's ``p2p_ms``), the middle one two cuts, read 0."""
+    from autopart.schema import RuntimeOverhead
+
+    check = RuntimeOverhead(fwd_action_ms=0.0, bwd_action_ms=0.0, p2p_ms=0.5, step_ms=0.0,
+                            link_latency_ms=0.0, link_bandwidth_bytes_per_s=1e9,
+                            backend="gloo", num_threads=1)
+    cuts = (1, 2, 1)
+    stages = [SimpleNamespace(index=i, fwd_ms=10.0, bwd_ms=20.0) for i in range(3)]
+    measured = [SimpleNamespace(measured_fwd_ms=10.0 - 0.5 * c, measured_bwd_ms=20.0 - 0.5 * c,
+                                measured_fwd_cpu_ms=None, measured_bwd_cpu_ms=None)
+                for c in cuts]
+    report = SimpleNamespace(measured_step_ms=100.0, stages=measured, ranks=[])
+    plan = SimpleNamespace(predicted_step_ms=100.0, stages=stages,
+                           setup=SimpleNamespace(runtime_overhead=check))
+    errors = timing_sweep.run_errors(
+        timing_sweep.Run("s", "interleaved-1f1b", "even", report, {"m": plan}), "m")
+    assert errors["F"] == pytest.approx([0.0] * 3) and errors["B"] == pytest.approx([0.0] * 3)
 
 
 def test_beyond_launches_is_the_prediction_outside_the_runs_launches():

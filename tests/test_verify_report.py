@@ -871,3 +871,55 @@ def test_a_slow_sliced_loss_is_its_own_cost_not_the_heads(profile):
     before = make_plan(sliced, pp_size=2, num_microbatches=4, schedule="1f1b",
                        cuts=(sliced.blocks[-2].name,))
     assert whole.stages[1].fwd_ms == pytest.approx(before.stages[1].fwd_ms, rel=1e-3)
+
+
+def test_stage_errors_leave_the_posts_the_spans_do_not_hold(profile, capsys):
+    """A stage's predicted F and B carry the price of posting its sends and receives
+    (``p2p_ms`` per cut), which torch posts outside the F and B spans: the per-stage
+    errors and the block attribution take it off, so spans that ran exactly the stage's
+    work read 0%, and a middle stage pays for two cuts."""
+    from rich.console import Console
+
+    from autopart.cost.stage import stage_post_ms
+    from autopart.schema import RuntimeOverhead
+    from autopart.verify.attribution import block_errors
+    from cli.cmd_verify import print_report
+
+    check = RuntimeOverhead(fwd_action_ms=0.05, bwd_action_ms=0.07, p2p_ms=0.4, step_ms=0.2,
+                            link_latency_ms=0.01, link_bandwidth_bytes_per_s=50e9,
+                            backend="gloo", num_threads=1)
+    assert (stage_post_ms(check, True, True), stage_post_ms(check, False, True),
+            stage_post_ms(None, True, True)) == (0.8, 0.4, 0.0)
+    checked = dataclasses.replace(profile, runtime_overhead=check)
+    planned = make_plan(checked, pp_size=2, num_microbatches=4, schedule="1f1b")
+    results = []
+    for rank in range(2):  # every span exactly the stage's prediction less its posts
+        (stage,) = planned.stages_of_rank(rank)
+        f, b = stage.fwd_ms - 0.4, stage.bwd_ms - 0.4
+        spans = tuple(s for mb in range(4) for s in (("F", stage.index, mb, 10.0 * mb,
+                                                       10.0 * mb + f),
+                                                      ("BW", stage.index, mb, 10.0 * mb + f,
+                                                       10.0 * mb + f + b)))
+        base = _rank_result(planned, rank, 1.0)
+        results.append(dataclasses.replace(base, spans=(spans, spans), block_fwd=_with_blocks(
+            planned, {})[rank].block_fwd))
+    run = build_report(planned, RunSettings(model="synthetic", steps=2, warmup=0), results)
+    for stage, reported in zip(planned.stages, run.stages):
+        assert reported.predicted_post_ms == pytest.approx(0.4)
+        assert reported.predicted_fwd_ms == stage.fwd_ms  # the plan's, posts and all
+        assert reported.predicted_fwd_span_ms == pytest.approx(reported.measured_fwd_ms)
+        assert reported.predicted_bwd_span_ms == pytest.approx(reported.measured_bwd_ms)
+    assert RunReport.from_json(run.to_json()).stages == run.stages
+    print_report(run, Console(width=200))
+    out = capsys.readouterr().out
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines()
+            if line.startswith("│")]
+    rows = [row for row in rows if len(row) == 11][:2]  # the stage table's (then ranks')
+    assert [row[0] for row in rows] == ["0", "1"]  # F err and B err, 0 up to rounding
+    assert all(row[i] in ("+0.0%", "-0.0%") for row in rows for i in (4, 7)), rows
+    assert "up to 0.40 ms per F and per B" in out
+    own = {b.name: b.fwd_ms + b.glue_after_ms for b in checked.blocks}
+    outside = {e.stage: e for e in block_errors(run, checked) if e.block == OUTSIDE}
+    stage0 = planned.stages[0]
+    assert outside[0].predicted_fwd_ms == pytest.approx(
+        stage0.fwd_ms - 0.4 - sum(own[m] for m in stage0.modules), abs=1e-4)

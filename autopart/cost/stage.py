@@ -43,7 +43,7 @@ import numpy as np
 from autopart.cost.blocks import BlockArrays
 from autopart.schema import RuntimeOverhead, TrainingSetup
 
-__all__ = ["StageCost", "comm_ms", "stage_cost"]
+__all__ = ["StageCost", "comm_ms", "stage_cost", "stage_post_ms"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,13 +240,29 @@ def _holds_shards(arrays: BlockArrays, first: int, last: int) -> bool:
     return shards is not None and bool(shards[first:last + 1].any())
 
 
+def stage_post_ms(overhead: RuntimeOverhead | None, receives: bool, sends: bool) -> float:
+    """What a stage's F, and again its B, are charged for posting its sends and receives:
+    one p2p op per boundary at the 1F1B price (F receives activations and sends them on;
+    B the gradients, the other way). Part of ``StageCost.fwd_ms`` and ``bwd_input_ms``;
+    torch posts them outside ``forward_one_chunk`` and ``backward_one_chunk``, so a
+    measured F or B span holds none of it (``autopart.verify``'s per-stage errors take
+    it off).
+
+    Args:
+        overhead: The machine check (``None``: nothing charged).
+        receives: The stage has a stage before it.
+        sends: The stage has a stage after it.
+    """
+    return 0.0 if overhead is None else overhead.p2p_ms * (int(receives) + int(sends))
+
+
 def _action_overhead_ms(overhead: RuntimeOverhead | None, receives: bool,
                         sends: bool) -> tuple[float, float]:
-    """The runtime's own ms per F and per B of a stage: the action, plus one p2p op per
-    boundary (F receives activations and sends them on; B the gradients, the other way)."""
+    """The runtime's own ms per F and per B of a stage: the action, plus its posts
+    (``stage_post_ms``)."""
     if overhead is None:
         return 0.0, 0.0
-    p2p = overhead.p2p_ms * (int(receives) + int(sends))
+    p2p = stage_post_ms(overhead, receives, sends)
     return overhead.fwd_action_ms + p2p, overhead.bwd_action_ms + p2p
 
 

@@ -73,7 +73,9 @@ def block_errors(report: RunReport, profile: Profile) -> tuple[BlockError, ...]:
                                              else 0.0)  # a stage's shards: one slice
             predicted[stage.index, row.name] = ms
             total += ms
-        predicted[stage.index, BlockTimer.OUTSIDE] = max(stage.predicted_fwd_ms - total, 0.0)
+        # the span holds no posts (``StageReport.predicted_post_ms``)
+        predicted[stage.index, BlockTimer.OUTSIDE] = max(stage.predicted_fwd_span_ms - total,
+                                                         0.0)
     return tuple(BlockError(stage=b.stage, block=b.block,
                             predicted_fwd_ms=round(predicted.get((b.stage, b.block), 0.0), 4),
                             measured_fwd_ms=b.measured_fwd_ms) for b in report.blocks)

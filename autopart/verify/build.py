@@ -10,6 +10,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
+from autopart.cost.stage import stage_post_ms
 from autopart.schedules import schedule_info
 from autopart.schema import Plan
 from autopart.simulate import SimResult, simulate_plan
@@ -115,6 +116,7 @@ def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageRepo
                 for (stage, _), ms in table.items():
                     cpu[key, stage].append(ms)
     split = schedule_info(plan.schedule).split_backward
+    overhead, last = plan.setup.runtime_overhead, len(plan.stages) - 1
     reports = []
     for s in plan.stages:
         f = _median(samples["F", s.index])
@@ -132,7 +134,8 @@ def _stage_reports(plan: Plan, results: Sequence[RankResult]) -> tuple[StageRepo
             predicted_bwd_weight_ms=s.bwd_weight_ms + extra,
             measured_bwd_weight_ms=w if split and samples["W", s.index] else None,
             measured_fwd_cpu_ms=_median(cpu["F", s.index]) if cpu["F", s.index] else None,
-            measured_bwd_cpu_ms=_median(cpu["BW", s.index]) if cpu["BW", s.index] else None))
+            measured_bwd_cpu_ms=_median(cpu["BW", s.index]) if cpu["BW", s.index] else None,
+            predicted_post_ms=stage_post_ms(overhead, s.index > 0, s.index < last)))
     return tuple(reports)
 
 

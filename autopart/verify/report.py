@@ -46,6 +46,28 @@ class StageReport:
     work (``None`` in reports written before it)."""
     measured_bwd_cpu_ms: float | None = None
     """The same for the full backward (B + W)."""
+    predicted_post_ms: float = 0.0
+    """What ``predicted_fwd_ms``, and again ``predicted_bwd_ms`` and
+    ``predicted_bwd_input_ms``, charge for posting the stage's sends and receives
+    (``autopart.cost.stage.stage_post_ms``). torch posts them outside
+    ``forward_one_chunk`` and ``backward_one_chunk``, whose spans are what is measured,
+    so the per-stage errors compare the ``..._span_ms`` figures, which leave it out
+    (0 in reports written before it)."""
+
+    @property
+    def predicted_fwd_span_ms(self) -> float:
+        """The predicted F less its posts: what the measured F span holds."""
+        return self.predicted_fwd_ms - self.predicted_post_ms
+
+    @property
+    def predicted_bwd_span_ms(self) -> float:
+        """The predicted full backward less its posts."""
+        return self.predicted_bwd_ms - self.predicted_post_ms
+
+    @property
+    def predicted_bwd_input_span_ms(self) -> float:
+        """The predicted B less its posts (W posts nothing)."""
+        return self.predicted_bwd_input_ms - self.predicted_post_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
