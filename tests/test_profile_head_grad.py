@@ -96,3 +96,16 @@ def test_shared_gradient_sum_at_the_measured_all_reduce_speed():
                                setup) == pytest.approx(4.0 + 64 / 3)
     given = dataclasses.replace(setup, link_bandwidth_bytes_per_s=25e9)
     assert shared_grad_sync_ms(costs, [0, 1, 2], given) == pytest.approx(0.02 + 0.64)
+
+
+def test_the_sliced_loss_line_is_fitted_over_every_size():
+    """Three sizes on one line give its fixed cost and cost per row exactly; noise that
+    tilts the line below the origin leaves no fixed cost (the mean cost per row), and a
+    fit through two of them alone would have read a fixed cost the third denies."""
+    from autopart.profile.head_grad import _line
+
+    assert _line([(100, 1.5), (200, 2.5), (300, 3.5)]) == pytest.approx((0.5, 0.01))
+    fixed, per_row = _line([(100, 0.5), (200, 2.5), (300, 3.0)])
+    assert fixed == 0.0 and per_row == pytest.approx(6.0 / 600)
+    fixed, per_row = _line([(100, 2.0), (200, 3.0), (300, 5.0)])  # two alone: 1.0 fixed
+    assert fixed == pytest.approx(0.3333, abs=1e-4) and per_row == pytest.approx(0.015)

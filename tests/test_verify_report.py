@@ -848,19 +848,27 @@ def test_head_shards_are_read_as_the_sliced_loss_they_ran(profile):
 
 
 def test_a_slow_sliced_loss_is_its_own_cost_not_the_heads(profile):
-    """The shards' row 0.4 ms slower than priced, every other block as priced: the slice's
-    fixed cost takes the 0.4 ms and no block moves, so the same cuts predict the stage's
-    F as run, and a plan with the head whole does not pay the sliced loss's excess (read
-    as the head's speed, a rehearsal cut inside tiny-llama's head priced its whole head
-    at 1.97 ms where it ran 1.06)."""
+    """The shards' row 0.4 ms slower than priced, every other block as priced: the sliced
+    loss (its fixed cost and its cost per row) takes the 0.4 ms and no block moves, so
+    the same cuts predict the stage's F as run, and a plan with the head whole does not
+    pay the sliced loss's excess (read as the head's speed, a rehearsal cut inside
+    tiny-llama's head priced its whole head at 1.97 ms where it ran 1.06)."""
     sliced = _sliced(profile)
     planned = make_plan(sliced, pp_size=2, num_microbatches=4, schedule="1f1b",
                         partition="even")  # as the rehearsal: the shards on the last stage
     assert planned.stages[1].modules[-1].startswith("lm_head.shard")
     run = _sliced_run(sliced, planned, slow_ms=0.4)
     calibrated = calibrate_profile(sliced, run, planned)
-    assert calibrated.setup.head_slice_fwd_ms == pytest.approx(0.9, abs=1e-3)
-    assert calibrated.calibration["slice_fwd_ms"] == [0.5, pytest.approx(0.9, abs=1e-3)]
+    # the whole head as one slice: one row cannot tell the fixed cost from the cost per
+    # row, so the sliced loss's both take its scale
+    priced = 0.25 * next(b for b in sliced.blocks if b.name == "lm_head").fwd_ms + 0.5
+    scale = (priced + 0.4) / priced
+    assert calibrated.setup.head_slice_fwd_ms == pytest.approx(0.5 * scale, abs=1e-3)
+    assert calibrated.setup.head_slice_fwd_ratio == pytest.approx(0.25 * scale, abs=1e-3)
+    assert calibrated.calibration["slice_fwd_ms"] == [0.5, pytest.approx(0.5 * scale,
+                                                                         abs=1e-3)]
+    assert calibrated.calibration["slice_fwd_ratio"] == [0.25, pytest.approx(0.25 * scale,
+                                                                             abs=1e-3)]
     blocks = {b.name: b for b in sliced.blocks}
     for block in calibrated.blocks:
         assert block.fwd_ms == pytest.approx(blocks[block.name].fwd_ms, rel=1e-3), block.name

@@ -13,8 +13,8 @@ The shards also compute the loss another way than the head the profile measured:
 runtime's sliced loss (``head_shards.shard_carry``: a log-softmax per slice, a fused
 backward, the rows' gradient handed on sparse) instead of the model's cross entropy over
 the whole logits. ``measure_slice_costs`` times both on the head's shapes (the sliced
-loss on a quarter and on half the rows, as a stage runs part of them), alternately: a
-fixed cost per call, which every stage with shards pays once per microbatch
+loss on a quarter, half and three quarters of the rows, as a stage runs part of them),
+alternately: a fixed cost per call, which every stage with shards pays once per microbatch
 (``ProfileSetup.head_slice_fwd_ms``), and a cost per row over the model's loss's
 (``head_slice_fwd_ratio``), which scales the shards' share of the head's times
 (``levels.split_head``).
@@ -103,12 +103,15 @@ def measure_slice_costs(shape: tuple[int, int], positions: int, dtype: torch.dty
     """The runtime's sliced loss against the model's own (linear, then cross entropy on
     float32 logits), on the head's shapes: medians of alternating runs on one weight.
 
-    The sliced loss runs on a quarter and on half the rows, as a stage holds part of the
-    head; the line through the two splits it into a fixed cost per call and a cost per
-    row. Slices, not the whole head: the whole head's gradient is a new buffer the size
-    of its weight every backward (on CPU, above glibc's 32 MiB mmap ceiling, page faults
-    every time: 47 against 35 ms per row-equivalent on a 32768 x 256 head), which a
-    stage's slice of rows mostly is not.
+    The sliced loss runs on a quarter, half and three quarters of the rows, as a stage
+    holds part of the head, each run first in turn; the least-squares line through the
+    three splits it into a fixed cost per call and a cost per row (through r35 the line
+    through a quarter and half, the quarter always run after the whole loss: on the
+    heavy-head Llama's 32768 x 256 head it read 1.1 to 2.5 ms per call where a sweep of an
+    eighth to all the rows fits 0.3 to 0.6 ms). Slices, not the whole head: the whole
+    head's gradient is a new buffer the size of its weight every backward (on CPU, above
+    glibc's 32 MiB mmap ceiling, page faults every time: 47 against 35 ms per
+    row-equivalent on a 32768 x 256 head), which a stage's slice of rows mostly is not.
 
     Args:
         shape: The head weight's ``(vocab, hidden)``.
@@ -125,7 +128,7 @@ def measure_slice_costs(shape: tuple[int, int], positions: int, dtype: torch.dty
     from autopart.runtime.head_shards import shard_carry
 
     vocab, hidden = shape
-    quarter, half = max(vocab // 4, 1), max(vocab // 2, 2)
+    sizes = sorted({max(vocab * k // 4, 1) for k in (1, 2, 3)})
     weight = torch.nn.Parameter(0.02 * torch.randn(shape, device=device, dtype=dtype))
     target = torch.randint(0, vocab, (1, positions), device=device)
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
@@ -144,10 +147,11 @@ def measure_slice_costs(shape: tuple[int, int], positions: int, dtype: torch.dty
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    runs = {vocab: whole, quarter: sliced(quarter), half: sliced(half)}
-    times: dict[int, list[tuple[float, float]]] = {rows: [] for rows in runs}
+    runs = [(vocab, whole), *((rows, sliced(rows)) for rows in sizes)]
+    times: dict[int, list[tuple[float, float]]] = {rows: [] for rows, _ in runs}
     for run in range(num_repeats + 1):
-        for rows, loss_of in runs.items():
+        # each in turn first: none always runs after the whole loss's fresh gradient
+        for rows, loss_of in runs[run % len(runs):] + runs[:run % len(runs)]:
             x = torch.randn(1, positions, hidden, device=device, dtype=dtype,
                             requires_grad=True)
             weight.grad = None if loss_of is whole else torch.zeros_like(weight)
@@ -163,13 +167,24 @@ def measure_slice_costs(shape: tuple[int, int], positions: int, dtype: torch.dty
     fits = []
     for k in (0, 1):
         ms = {rows: statistics.median(t[k] for t in runs_) for rows, runs_ in times.items()}
-        per_row = (ms[half] - ms[quarter]) / (half - quarter)
-        if per_row <= 0:  # noise: no fixed part
-            per_row = ms[half] / half
-        fixed = max(ms[quarter] - per_row * quarter, 0.0)
+        fixed, per_row = _line([(rows, ms[rows]) for rows in sizes])
         fits.append((fixed, per_row * vocab / ms[vocab]))
     return SliceCosts(fwd_fixed_ms=fits[0][0], bwd_fixed_ms=fits[1][0],
                       fwd_ratio=fits[0][1], bwd_ratio=fits[1][1])
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(fixed, per_row)`` of the least-squares line through ``(rows, ms)`` points: the
+    fixed part at least 0 (then the line through the origin), the per-row part positive
+    (noise that leaves it at or below 0: no fixed part, the mean cost per row)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points) / spread) if spread else 0.0
+    if slope <= 0 or mean_y - slope * mean_x < 0:
+        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
+    return mean_y - slope * mean_x, slope
 
 
 def head_split_fields(shape: tuple[int, int], dtype: str, positions: int,

@@ -11,9 +11,9 @@ as they are, but for the model's code outside the blocks (glue and stand-ins), w
 the run's per-block rows price with one factor of their own (``autopart.verify.outside``);
 so the factor is (measured - outside) / blocks, and planning the same cuts again
 predicts what was measured. Head shards are priced as they ran, with the runtime's sliced
-loss (``coverage.priced_times``), and what their row held beyond that is the sliced loss's
-fixed cost per call (``outside.fit_slice_cost``), not the head's: a plan with the head
-whole does not pay it. Memory figures are left as they are.
+loss (``coverage.priced_times``), and how much slower than that their row ran scales the
+sliced loss, its fixed cost per call and its cost per row (``outside.fit_slice_cost``),
+not the head: a plan with the head whole does not pay it. Memory figures are left as they are.
 
 What a rank spends outside its actions and p2p waits (``RankReport.measured_outside_ms``:
 posting sends and receives, the schedule's bookkeeping) is priced by the machine check
@@ -77,9 +77,9 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
         source: Names the run report (a path) in the profile's calibration record.
 
     Returns:
-        A copy of ``profile`` with scaled block times (and the sliced loss's fixed cost
-        as fitted, ``calibration["slice_fwd_ms"]``: before, after) and a ``calibration``
-        record that chains any earlier one.
+        A copy of ``profile`` with scaled block times (and the sliced loss as fitted,
+        ``calibration["slice_fwd_ms"]`` and ``["slice_fwd_ratio"]``: before, after) and
+        a ``calibration`` record that chains any earlier one.
 
     Raises:
         SchemaError: The report is of another plan, model or sequence length, is
@@ -89,11 +89,14 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
     scale, added = fit_outside_scale(profile, report)
     profile = scaled_outside(profile, scale)
     slice_before = profile.setup.head_slice_fwd_ms
-    slice_ms, slice_added = fit_slice_cost(profile, report)
+    ratio_before = profile.setup.head_slice_fwd_ratio
+    slice_ms, row_scale, slice_added = fit_slice_cost(profile, report)
     for stage, ms in slice_added.items():
         added[stage] = added.get(stage, 0.0) + ms
+    ratio_after = round((ratio_before or 1.0) * row_scale, 4) if row_scale != 1.0 \
+        else ratio_before
     profile = dataclasses.replace(profile, setup=dataclasses.replace(
-        profile.setup, head_slice_fwd_ms=slice_ms))
+        profile.setup, head_slice_fwd_ms=slice_ms, head_slice_fwd_ratio=ratio_after))
     blocks = list(profile.blocks)
     factors = []
     shares: dict[int, list[tuple[float, dict[str, float]]]] = {}
@@ -121,6 +124,8 @@ def calibrate_profile(profile: Profile, report: RunReport, plan: Plan | None = N
               "outside_scale": round(scale, 4), "previous": previous}
     if slice_ms != slice_before:
         record["slice_fwd_ms"] = [slice_before, slice_ms]
+    if ratio_after != ratio_before:
+        record["slice_fwd_ratio"] = [ratio_before, ratio_after]
     overhead = profile.runtime_overhead
     if overhead is not None and plan is not None and report.measured_step_ms > 0:
         costs = [_changed(cost, changes.get(s, {}), first=s == 0)

@@ -152,50 +152,62 @@ def block_shares(profile: Profile, report: RunReport, stage: StageReport) -> dic
     return {i: speed.get(i, mean) / mean for i, _ in covered}
 
 
-def fit_slice_cost(profile: Profile, report: RunReport) -> tuple[float, dict[int, float]]:
-    """The sliced loss's fixed forward cost per call (``ProfileSetup.head_slice_fwd_ms``)
-    as a run's rows of head shards measured it.
+def fit_slice_cost(profile: Profile, report: RunReport
+                   ) -> tuple[float, float, dict[int, float]]:
+    """The sliced loss as a run's rows of head shards measured it: its fixed forward cost
+    per call (``ProfileSetup.head_slice_fwd_ms``) and its cost per row
+    (``head_slice_fwd_ratio``), both scaled by how much slower than priced it ran.
 
     A stage's shards run as one slice, one row (``BlockTimer``). Priced at the speed the
     stage's other rows ran (their measured forward over their profiled one, summed), the
-    shards' forward is their share of the head's times the sliced loss's ratio
-    (``coverage.sliced_loss``); what the row holds beyond that and the code after the
-    head is the slice's fixed cost. Where every stage with shards runs other blocks too
-    (the rehearsal's even split: all of them on its last stage), their mean, at least 0,
-    replaces the profile's; a stage of shards alone has no speed to price them at, and
-    the cost, which every such stage pays, is then left as it is. Without
-    it, a rehearsal whose even split cut the head into shards read the sliced loss's cost
-    as the head's own, and a plan with the head whole paid it.
+    row is the shards' share of the head's forward times the sliced loss's ratio, plus
+    the slice's fixed cost (``coverage.sliced_loss``); the row's measured forward, less
+    the code after the head, over that price is the sliced loss's scale. Where every
+    stage with shards runs other blocks too (the rehearsal's even split: all of them on
+    its last stage), their mean scale, at least 0.05, multiplies both the fixed cost and
+    the cost per row; a stage of shards alone has no speed to price them at, and the
+    sliced loss is then left as it is. Without it, a rehearsal whose even split cut the
+    head into shards read the sliced loss's cost as the head's own, and a plan with the
+    head whole paid it. One slice of every row cannot tell a fixed cost from a cost per
+    row; through r35 the whole excess went to the fixed cost, which a stage pays per
+    call: the heavy-head Llama's rehearsal read 4.96 ms per call where the sliced loss
+    alone costs about 0.5 ms on its 32768 x 256 head (fitted over an eighth to all of
+    its rows), and a plan with the shards on two stages paid it twice (its Interleaved
+    plan predicted 11-20% slow in r32-r35, the shard stages' forwards 15-40%).
 
     Args:
         profile: The profile, with the outside scale applied (``scaled_outside``).
         report: The run report, with per-block rows.
 
     Returns:
-        The fitted cost (the profile's where it cannot be fitted), and per stage with
-        shards the F the change adds to its prediction (each pays it once).
+        The fitted fixed cost and the scale of the cost per row (the profile's and 1.0
+        where they cannot be fitted), and per stage with shards the F the change adds to
+        its prediction (the fixed cost once, and its shards' share of the head).
     """
     before = profile.setup.head_slice_fwd_ms
-    fitted, held = [], []
+    scales, shares = [], {}
     for stage in report.stages:
         measured = _measured(report, stage)
         rows = stage_rows(profile, report, stage)
         shards = [row for row in rows if row.shards]
         if not shards:
             continue
-        held.append(stage.index)
         others = [row for row in rows if not row.shards and row.name in measured
                   and row.fwd_ms > 0]
         ran = sum(measured[row.name] - row.glue_ms for row in others)
         priced = sum(row.fwd_ms for row in others)
         head = shards[0]
-        if head.name not in measured or ran <= 0 or priced <= 0:
-            return before, {}  # a stage that runs only shards: no speed to price them at
-        fitted.append(measured[head.name] - head.glue_ms - head.fwd_ms * ran / priced)
-    if not fitted:
-        return before, {}
-    after = round(max(sum(fitted) / len(fitted), 0.0), 4)
-    return after, {s: after - before for s in held}
+        if head.name not in measured or ran <= 0 or priced <= 0 or head.fwd_ms + before <= 0:
+            return before, 1.0, {}  # a stage that runs only shards: no speed to price them
+        shares[stage.index] = head.fwd_ms
+        scales.append((measured[head.name] - head.glue_ms) / ((head.fwd_ms + before)
+                                                              * ran / priced))
+    if not scales:
+        return before, 1.0, {}
+    scale = max(sum(scales) / len(scales), 0.05)
+    after = round(before * scale, 4)
+    return after, scale, {s: after - before + (scale - 1) * share
+                          for s, share in shares.items()}
 
 
 def _measured(report: RunReport, stage: StageReport) -> dict[str, float]:
