@@ -53,6 +53,17 @@ def test_distribution_is_median_p90_worst_of_magnitudes():
     assert timing_sweep.distribution([]) == "-"
 
 
+def test_loop_line_reads_the_replanned_errors_off_the_loop_rows():
+    def row(err: str) -> list[str]:
+        cells = dict.fromkeys(timing_sweep.LOOP_HEADER, "x")
+        cells["err"] = err
+        return list(cells.values())
+
+    line = timing_sweep.loop_line([row("+3.0%"), row("-8.0%"), row("+12.0%")])
+    assert line == ("replanned |step error| 8.0% / 12.0% / 12.0% (median / p90 / worst), "
+                    "within 5% on 1 of 3, within 10% on 2")
+
+
 def test_probe_line_reads_against_the_quietest_timing():
     """The machine probe's sentence: quietest timing, then median, p90 and worst above it."""
     line = timing_sweep.probe_line([[2.0, 2.2, 2.0], [2.4, 3.0], [6.0]])
