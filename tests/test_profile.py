@@ -280,6 +280,48 @@ def test_modulelist_model_is_profiled_through_its_forward():
     assert profile.blocks[-1].output_bytes == 4  # the documented loss output.float().pow(2).mean()
 
 
+class _Extend(nn.Module):
+    """Handed the token ids before the hidden states, and returning the hidden states
+    untouched on text alone: Phi-4-multimodal's feature embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, embeds: torch.Tensor,
+                pixels: torch.Tensor | None = None) -> torch.Tensor:
+        if pixels is not None:
+            return embeds + self.image(pixels)
+        return embeds
+
+
+class _Extended(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.extend = _Extend()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def autopart_example_input(self, micro_batch_size: int, seq_len: int) -> torch.Tensor:
+        return torch.randint(0, 32, (micro_batch_size, seq_len))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.extend(ids, self.embed(ids))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def test_a_block_handed_ids_before_the_hidden_states_is_timed_through_the_states():
+    profile = profile_model(_Extended(), granularity="layer", **FAST)
+    blocks = {b.name: b for b in profile.blocks}
+    assert list(blocks) == ["embed", "extend", "layers.0", "layers.1"]
+    # torch's B detaches its outputs in place; the output here is the block's input, which
+    # every later round still differentiates: each round times a backward
+    assert blocks["extend"].bwd_ms > 0 and blocks["extend"].bwd_input_ms > 0
+    assert blocks["extend"].activation_bytes == 0
+
+
 def test_meta_factory_model_is_materialized_per_block():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))

@@ -66,7 +66,11 @@ def _split_b(task: BlockTask, out: torch.Tensor, grad_out: torch.Tensor | None,
     """torch's B (``stage_backward_input``) from ``out``."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
-    if out._is_view():  # B detaches its outputs in place (a view's copy adds no weight op)
+    # B detaches its outputs in place: a view's copy (no weight op) keeps its base, and the
+    # copy of an output that is the block's input (a block returning it untouched, as
+    # Phi-4-multimodal's feature embedding on text alone) keeps the input a leaf that
+    # every later round differentiates
+    if out._is_view() or out is task.inputs:
         out = out.clone()
     return stage_backward_input([out], None if grad_out is None else [grad_out],
                                 [task.inputs], iter(params))
