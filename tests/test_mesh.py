@@ -168,6 +168,8 @@ def test_cli_mesh_errors_are_one_line(tmp_path, capsys):
         (["--devices", "2", "--device", "h100", "--zero", "1", "--dp-shard",
           "params-per-step"], "--zero 1 means --dp-shard optimizer, not params-per-step"),
         ([], "give --pp N, or --devices N"),
+        (["--devices", "16", "--device", "h100", "--tp", "2", "--pp", "4", "--virtual-stages",
+          "2"], "tp 2 x pp 4 x dp 2: pp_size * virtual_stages (4 * 2) exceeds"),
     ]:
         assert main(["plan", str(path), *args]) == 2
         err = capsys.readouterr().err.strip()

@@ -190,8 +190,12 @@ def _ranked(found: list[MeshCandidate], devices: int) -> MeshResult:
     """The fastest fitting mesh first, then the others with why each lost."""
     fitting = sorted((c for c in found if c.fits), key=_order)
     if not fitting and all(c.refused for c in found):
-        raise PlanError(f"no tp x pp x dp mesh of {devices} devices can be planned: "
-                        f"{found[0].refused}")
+        first = found[0]
+        whole = (f" (tp {first.tp_size} plans whole layers with the head whole)"
+                 if first.tp_size > 1 else "")
+        raise PlanError(f"no tp x pp x dp mesh of {devices} devices can be planned: tp "
+                        f"{first.tp_size} x pp {first.pp_size} x dp {first.dp_size}: "
+                        f"{first.refused}{whole}")
     if not fitting:
         need = [c.needed_bytes for c in found if c.needed_bytes is not None]
         more = f"; the smallest needs {min(need)} bytes per device" if need else ""
