@@ -281,8 +281,8 @@ def test_modulelist_model_is_profiled_through_its_forward():
 
 
 class _Extend(nn.Module):
-    """Handed the token ids before the hidden states, and returning the hidden states
-    untouched on text alone: Phi-4-multimodal's feature embedding."""
+    """Returns the hidden states it is handed untouched on text alone (its output is its
+    input): Phi-4-multimodal's feature embedding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -312,7 +312,7 @@ class _Extended(nn.Module):
         return h
 
 
-def test_a_block_handed_ids_before_the_hidden_states_is_timed_through_the_states():
+def test_a_block_returning_its_input_untouched_is_timed_every_round():
     profile = profile_model(_Extended(), granularity="layer", **FAST)
     blocks = {b.name: b for b in profile.blocks}
     assert list(blocks) == ["embed", "extend", "layers.0", "layers.1"]
